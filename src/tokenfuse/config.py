@@ -1,0 +1,133 @@
+"""The one configuration of an ensemble: a YAML file validated by pydantic.
+
+Errors name the field (``members.1.weight``) and what to write instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tokenfuse.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MemberConfig(_Strict):
+    """One member.
+
+    ``source`` is a bundled model name, a Hugging Face model id, a local directory or a ``.gguf``
+    file; it defaults to ``name`` (so ``- name: gemma3-270m`` is a whole member).
+    """
+
+    name: str = Field(min_length=1)
+    source: str | None = None
+    gguf_file: str | None = None
+    backend: Literal["transformers"] = "transformers"
+    weight: float = Field(1.0, ge=0)
+    device: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+    @property
+    def resolved_source(self) -> str:
+        return self.source or self.name
+
+
+class DecodingConfig(_Strict):
+    """Decoding defaults (every one can be overridden per call or on the command line)."""
+
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+
+
+class EnsembleConfig(_Strict):
+    """An ensemble: members, the combining method and its parameters, gate/threshold, decoding."""
+
+    members: list[MemberConfig] = Field(min_length=1)
+    method: str = "gac"
+    params: dict[str, Any] = Field(default_factory=dict)
+    gate: str | None = None
+    threshold: float | None = Field(None, ge=0, le=1)
+    window: int = Field(8, ge=1, le=256)
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    cache_dir: str | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        from tokenfuse.combiners import REGISTRY
+
+        if v not in REGISTRY:
+            raise ValueError(f"unknown method {v!r}; available: {', '.join(sorted(REGISTRY))}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EnsembleConfig:
+        names = [m.name for m in self.members]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"members: names must be unique; repeated: {', '.join(sorted(dup))}")
+        if self.gate is not None and self.gate not in names:
+            raise ValueError(f"gate: {self.gate!r} is not a member name (members: {', '.join(names)})")
+        if self.threshold is not None and self.gate is None:
+            raise ValueError("threshold: thresholded GaC needs `gate: <member name>`")
+        if all(m.weight == 0 for m in self.members):
+            raise ValueError("members: at least one member needs weight > 0")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(exclude_none=True), sort_keys=False)
+
+
+def _format(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{origin}: {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, *, origin: str = "config") -> EnsembleConfig:
+    """Validate a mapping (e.g. parsed YAML) into an ``EnsembleConfig``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping with `members:`, got {type(data).__name__}")
+    try:
+        return EnsembleConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format(err, origin)) from None
+
+
+def load_config(path: str | Path) -> EnsembleConfig:
+    """Read and validate a YAML config file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    return parse_config(data, origin=str(p))
+
+
+def config_from_models(models: str | list[str], **overrides: Any) -> EnsembleConfig:
+    """A config from a comma-separated list of member names/sources (the CLI's ``--models``)."""
+    names = [m.strip() for m in (models.split(",") if isinstance(models, str) else models) if m.strip()]
+    members = [{"name": _short(n), "source": n} for n in names]
+    return parse_config({"members": members, **{k: v for k, v in overrides.items() if v is not None}},
+                        origin="--models")
+
+
+def _short(source: str) -> str:
+    p = Path(source)
+    return p.stem if p.suffix == ".gguf" else (p.name or source)

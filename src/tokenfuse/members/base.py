@@ -1,0 +1,132 @@
+"""The member contract: one causal LM, its tokenizer and per-sequence state.
+
+A member turns token ids into next-token log-probabilities. It knows nothing about the other
+members: the engine keeps its ids in sync with the shared output bytes (``tokenfuse.engine.sync``)
+and only tells it, through ``SeqState.n_valid``, how much of its KV cache is still good.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenfuse.alignment.bytes import ByteCodec
+
+
+@dataclass
+class SeqState:
+    """One member's view of one sequence.
+
+    Attributes:
+        prompt_ids: the member's own ids for the prompt (fixed; re-sync never reaches into them).
+        ids: ids of the output so far (may cover less than the output: see ``covered``).
+        starts: byte offset in the output where each of ``ids`` starts.
+        covered: output bytes that ``ids`` stand for; bytes past it are held back (they cannot be
+            represented yet, e.g. a split UTF-8 character in a vocabulary without that byte).
+        provisional: the last ids are raw byte tokens for an unfinished character; the next
+            re-sync replaces them.
+        n_valid: how many positions of ``prompt_ids + ids`` the backend's cache still holds
+            correctly; the next forward crops the cache to it and feeds the rest.
+        cache: the backend's KV cache object.
+        logprobs: the last computed next-token log-probabilities, ``float32[V]``, and the
+            sequence length they belong to.
+    """
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    covered: int = 0
+    provisional: bool = False
+    n_valid: int = 0
+    cache: Any = None
+    logprobs: torch.Tensor | None = None
+    logprobs_len: int = -1
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    @property
+    def pending(self) -> int:
+        """Ids not yet in the cache (fed in one chunk at the next forward)."""
+        return self.length - self.n_valid
+
+
+class Member(ABC):
+    """One causal LM of the ensemble.
+
+    Attributes:
+        name: the member's name (unique in an ensemble).
+        codec: exact bytes of its vocabulary and its bytes -> ids encoder.
+        weight: its ensemble weight before normalisation.
+        tokenizer: the Hugging Face tokenizer (chat template, prompt encoding).
+    """
+
+    name: str
+    codec: ByteCodec
+    weight: float
+    tokenizer: Any
+    load_seconds: float = 0.0
+
+    # ------------------------------------------------------------------ prompts
+    def render_chat(self, messages: Sequence[dict]) -> tuple[str, bool]:
+        """The member's own rendering of chat ``messages`` and whether it came from a chat template.
+
+        A member without a chat template gets a plain rendering: each message as
+        ``"{Role}: {content}\\n\\n"`` followed by ``"Assistant:"``.
+        """
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return text, True
+        return plain_chat(messages), False
+
+    def encode_prompt(self, text: str, *, templated: bool = False) -> list[int]:
+        """Ids of a prompt: special-token strings are parsed; BOS is added unless a template wrote it."""
+        ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if templated and bos is not None and len(ids) > 1 and ids[0] == bos == ids[1]:
+            ids = ids[1:]  # a template that writes BOS plus a tokenizer that adds one
+        return list(ids)
+
+    # ------------------------------------------------------------------ state and compute
+    def new_state(self, prompt_ids: Sequence[int]) -> SeqState:
+        return SeqState(prompt_ids=list(prompt_ids))
+
+    def next_logprobs(self, states: Sequence[SeqState]) -> torch.Tensor:
+        """Log-probabilities of the next token for each state, ``float32[B, V]``.
+
+        Feeds every pending id (one chunked forward per state), after cropping the cache to
+        ``n_valid``. A state with nothing pending reuses its last result.
+        """
+        out = []
+        for st in states:
+            if st.logprobs is None or st.logprobs_len != st.length or st.pending > 0:
+                if st.pending == 0:  # the cache is complete but its last logits are gone: refeed one id
+                    st.n_valid -= 1
+                st.logprobs = self._forward(st)
+                st.logprobs_len = st.length
+                st.n_valid = st.length
+            out.append(st.logprobs)
+        return torch.stack(out)
+
+    @abstractmethod
+    def _forward(self, state: SeqState) -> torch.Tensor:
+        """Crop the cache to ``state.n_valid``, feed the rest, return ``float32[V]`` log-probs."""
+
+    def release(self, state: SeqState) -> None:
+        """Free a finished sequence's cache."""
+        state.cache = None
+        state.logprobs = None
+
+
+def plain_chat(messages: Sequence[dict]) -> str:
+    """The documented rendering for members without a chat template."""
+    parts = [f"{str(m.get('role', 'user')).capitalize()}: {m.get('content', '')}\n\n" for m in messages]
+    return "".join(parts) + "Assistant:"

@@ -1,0 +1,92 @@
+"""Member backend: a Hugging Face transformers causal LM (CPU, or CUDA when present)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenfuse.alignment.union import load_or_build_codec
+from tokenfuse.errors import ModelLoadError
+from tokenfuse.members.base import Member, SeqState
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransformersMember(Member):
+    """A transformers ``AutoModelForCausalLM`` with one ``DynamicCache`` per sequence."""
+
+    def __init__(self, name: str, model: Any, tokenizer: Any, *, weight: float = 1.0,
+                 content_hash: str | None = None, align_cache: Path | None = None) -> None:
+        self.name = name
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.weight = float(weight)
+        self.device = next(model.parameters()).device
+        gen = getattr(model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        extra = eos if isinstance(eos, list | tuple) else ([eos] if eos is not None else [])
+        self.codec = load_or_build_codec(
+            tokenizer, vocab_size=model.config.get_text_config().vocab_size, extra_end_ids=extra,
+            content_hash=content_hash, cache=align_cache,
+        )
+
+    @torch.inference_mode()
+    def _forward(self, st: SeqState) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        if st.cache is None:
+            st.cache = DynamicCache()  # full layers (no sliding-window trimming) so crop() can roll back
+            st.n_valid = 0
+        cached = st.cache.get_seq_length()
+        if cached > st.n_valid:
+            st.cache.crop(st.n_valid - cached)  # a negative count removes that many positions
+        new = st.all_ids()[st.n_valid :]
+        ids = torch.tensor([new], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=st.cache, use_cache=True, logits_to_keep=1)
+        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
+
+
+def load_transformers_member(
+    name: str,
+    source: str,
+    *,
+    gguf_file: str | None = None,
+    weight: float = 1.0,
+    device: str = "auto",
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    align_cache: Path | None = None,
+) -> TransformersMember:
+    """Load a member from a hub id, a local directory (safetensors) or a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = Path(source).expanduser()
+    if gguf_file is None and path.suffix == ".gguf" and path.is_file():
+        path, gguf_file = path.parent, path.name
+    where = str(path) if path.exists() else source
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    t0 = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[dtype], **kwargs)
+    except OSError as err:
+        raise ModelLoadError(
+            f"member {name!r}: cannot load {source!r}{' (gguf_file=' + gguf_file + ')' if gguf_file else ''}: {err}. "
+            "Give a local directory with config.json + safetensors, a .gguf file, or a bundled model name "
+            "(see `tokenfuse models`); this machine cannot download from the hub."
+        ) from err
+    model.to(device)
+    tj = Path(where) / "tokenizer.json"
+    content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if (tj.is_file() and not gguf_file) else None
+    member = TransformersMember(name, model, tokenizer, weight=weight, content_hash=content_hash,
+                                align_cache=align_cache)
+    member.load_seconds = time.perf_counter() - t0
+    return member

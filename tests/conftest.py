@@ -1,0 +1,80 @@
+"""Shared fixtures: the real tokenizers of the bundled models and tiny random-weight models on them.
+
+Tokenizers are converted from the bundled GGUF files once (seconds, tokenizer only) into the
+tokenfuse cache. Tiny models (2 layers, hidden 32) are built from a seed on top of each real
+tokenizer, so most tests run the real alignment and re-sync logic in milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenfuse.bundled import BUNDLED, DEFAULT_ENSEMBLE, ensure_converted
+from tokenfuse.members.transformers import TransformersMember
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHORT = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen": "qwen2.5-coder-0.5b-instruct"}
+
+
+@pytest.fixture(scope="session")
+def align_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("alignment")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dirs() -> dict[str, Path]:
+    """Directories holding each bundled model's tokenizer.json, keyed by short name."""
+    missing = [n for n in DEFAULT_ENSEMBLE if not BUNDLED[n].installed()]
+    if missing:
+        pytest.fail("bundled models not installed: " + "; ".join(BUNDLED[n].pip_command for n in missing))
+    return {short: ensure_converted(full, model=False, progress=False) for short, full in SHORT.items()}
+
+
+@pytest.fixture(scope="session")
+def tokenizers(tokenizer_dirs):
+    from transformers import AutoTokenizer
+
+    return {k: AutoTokenizer.from_pretrained(v) for k, v in tokenizer_dirs.items()}
+
+
+def tiny_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 32, eos: int | None = None):
+    """A random-weight Llama-architecture causal LM with ``vocab_size`` output rows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048, initializer_range=0.5, tie_word_embeddings=False,
+                      eos_token_id=eos)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tokenizers, align_cache):
+    """Factory: ``make_tiny("gemma3", seed=1, name=None, weight=1.0, pad=0)`` -> a tiny member."""
+    built: dict = {}
+
+    def make(family: str, *, seed: int = 0, name: str | None = None, weight: float = 1.0, pad: int = 0):
+        tok = tokenizers[family]
+        key = (family, seed, pad)
+        if key not in built:
+            built[key] = tiny_model(len(tok) + pad, seed=seed)
+        return TransformersMember(name or f"{family}-{seed}", built[key], tok, weight=weight,
+                                  align_cache=align_cache)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def real_members(align_cache):
+    """The three real bundled models (converted on first use), keyed by short name."""
+    from tokenfuse.config import MemberConfig
+    from tokenfuse.load import load_member
+
+    return {short: load_member(MemberConfig(name=short, source=full), progress=False)
+            for short, full in SHORT.items()}

@@ -1,0 +1,62 @@
+"""Integration tests on the three real bundled models (converted into the cache on first use)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfuse import Ensemble
+from tokenfuse.members.transformers import TransformersMember
+
+pytestmark = pytest.mark.real
+
+PROMPT = "Question: What is the capital of France?\nAnswer:"
+N = 12
+
+
+def _copy(m: TransformersMember) -> TransformersMember:
+    return TransformersMember(m.name + "-copy", m.model, m.tokenizer, weight=m.weight)
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
+def test_self_ensemble_reproduces_the_model_alone(real_members, family):
+    m = real_members[family]
+    alone = Ensemble([m]).generate(PROMPT, max_new_tokens=N)
+    pair = Ensemble([m, _copy(m)]).generate(PROMPT, max_new_tokens=N)
+    assert pair.output == alone.output
+    assert pair.member_ids[m.name] == alone.member_ids[m.name]
+    assert alone.steps == N or alone.finish_reason == "end"
+
+
+def test_single_member_matches_transformers_generate(real_members):
+    m = real_members["smollm2"]
+    ids = torch.tensor([m.encode_prompt(PROMPT)])
+    ref = m.model.generate(ids, max_new_tokens=N, do_sample=False, pad_token_id=m.tokenizer.eos_token_id)
+    ref = ref[0, ids.shape[1]:].tolist()
+    g = Ensemble([m]).generate(PROMPT, max_new_tokens=N)
+    assert g.member_ids[m.name] == [t for t in ref if t not in m.codec.end_ids]
+
+
+def test_default_ensemble_stays_in_sync_and_is_deterministic(real_members):
+    members = list(real_members.values())
+    ens = Ensemble(members)
+    msgs = [{"role": "user", "content": "Say hello in Japanese, with an emoji."}]
+    g = ens.generate(msgs, max_new_tokens=N)
+    again = ens.generate(msgs, max_new_tokens=N)
+    assert g.output == again.output and g.steps > 0
+    assert g.ensembled_steps == g.steps
+    for m in members:
+        assert m.codec.decode(g.member_ids[m.name]) == g.output, m.name
+
+
+def test_threshold_extremes_on_real_models(real_members):
+    members = list(real_members.values())
+    gate = members[0]
+    alone = Ensemble([gate]).generate(PROMPT, max_new_tokens=N)
+    full = Ensemble(members).generate(PROMPT, max_new_tokens=N)
+    t0 = Ensemble(members, gate=gate.name, threshold=0.0).generate(PROMPT, max_new_tokens=N)
+    t1 = Ensemble(members, gate=gate.name, threshold=1.0).generate(PROMPT, max_new_tokens=N)
+    assert t0.output == alone.output and t0.ensembled_steps == 0
+    assert t1.output == full.output and t1.ensembled_steps == t1.steps
+    for m in members:  # lazy members were kept in sync on text
+        assert m.codec.decode(t0.member_ids[m.name]) == t0.output
