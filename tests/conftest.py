@@ -21,6 +21,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SHORT = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen": "qwen2.5-coder-0.5b-instruct"}
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and threads spin badly on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def align_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("alignment")
@@ -76,5 +85,5 @@ def real_members(align_cache):
     from tokenfuse.config import MemberConfig
     from tokenfuse.load import load_member
 
-    return {short: load_member(MemberConfig(name=short, source=full), progress=False)
+    return {short: load_member(MemberConfig(name=short, source=full, backend="transformers"), progress=False)
             for short, full in SHORT.items()}

@@ -90,7 +90,10 @@ def resolve_config(args: argparse.Namespace):
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
     if getattr(args, "weights", None):
-        weights = [float(w) for w in args.weights.split(",")]
+        try:
+            weights = [float(w) for w in args.weights.split(",")]
+        except ValueError:
+            raise TokenfuseError(f"--weights: expected comma-separated numbers, got {args.weights!r}") from None
         if len(weights) != len(data["members"]):
             raise TokenfuseError(f"--weights: {len(weights)} weights for {len(data['members'])} members")
         for m, w in zip(data["members"], weights):

@@ -22,17 +22,21 @@ class MemberConfig(_Strict):
     """One member.
 
     ``source`` is a bundled model name, a Hugging Face model id, a local directory or a ``.gguf``
-    file; it defaults to ``name`` (so ``- name: gemma3-270m`` is a whole member).
+    file; it defaults to ``name`` (so ``- name: gemma3-270m`` is a whole member). ``backend: auto``
+    runs GGUF sources (bundled models, ``.gguf`` files) with llama.cpp on CPU when
+    llama-cpp-python is installed, everything else with transformers.
     """
 
     name: str = Field(min_length=1)
     source: str | None = None
     gguf_file: str | None = None
-    backend: Literal["transformers"] = "transformers"
+    backend: Literal["auto", "transformers", "llamacpp"] = "auto"
     weight: float = Field(1.0, ge=0)
     device: str = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
+    n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
+    n_threads: int | None = Field(None, ge=1)  # llamacpp: threads (default: all cores)
 
     @property
     def resolved_source(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from difflib import get_close_matches
 from pathlib import Path
 
@@ -13,23 +14,60 @@ from tokenfuse.members.base import Member
 from tokenfuse.paths import cache_dir
 
 
-def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool = True, index: int = 0) -> Member:
-    """Load one member; a bundled name is converted into the cache on first use."""
-    from tokenfuse.members.transformers import load_transformers_member
+def resolve_backend(cfg: MemberConfig) -> str:
+    """``auto``: llama.cpp for GGUF sources (bundled models, ``.gguf`` files) on CPU when
+    llama-cpp-python is installed; transformers otherwise."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    import torch
 
-    root = cache_dir(root)
     source = cfg.resolved_source
-    gguf_file = cfg.gguf_file
-    if source in BUNDLED:
-        source = str(ensure_converted(source, root=root, progress=progress))
-    elif not Path(source).expanduser().exists() and "/" not in source:
+    gguf = source in BUNDLED or source.endswith(".gguf") or bool(cfg.gguf_file)
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if gguf and on_cpu and importlib.util.find_spec("llama_cpp") is not None:
+        return "llamacpp"
+    return "transformers"
+
+
+def check_source(cfg: MemberConfig, index: int = 0) -> None:
+    """Fail fast, before any model is loaded, on a source that cannot be a model."""
+    source = cfg.resolved_source
+    if source not in BUNDLED and not Path(source).expanduser().exists() and "/" not in source:
         hint = get_close_matches(source, BUNDLED, n=1)
         raise ConfigError(
             f"members.{index}.source: {source!r} is neither a bundled model, a local path nor a hub id"
             + (f"; did you mean {hint[0]!r}?" if hint else f" (bundled: {', '.join(BUNDLED)})")
         )
+
+
+def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool = True, index: int = 0) -> Member:
+    """Load one member; a bundled name is converted into the cache on first use."""
+    root = cache_dir(root)
+    source = cfg.resolved_source
+    backend = resolve_backend(cfg)
+    check_source(cfg, index)
+    if backend == "llamacpp":
+        from tokenfuse.members.llamacpp import load_llamacpp_member
+
+        if source in BUNDLED:
+            gguf, tok_dir = BUNDLED[source].gguf_path(root), ensure_converted(source, root=root, model=False,
+                                                                              progress=progress)
+        else:
+            gguf = Path(source).expanduser() / cfg.gguf_file if cfg.gguf_file else Path(source).expanduser()
+            if gguf.suffix != ".gguf":
+                raise ConfigError(f"members.{index}.backend: llamacpp needs a .gguf file, got {source!r}; "
+                                  "set `backend: transformers` for a model directory or hub id")
+            tok_dir = None
+        return load_llamacpp_member(cfg.name, gguf, tokenizer_dir=tok_dir, weight=cfg.weight, n_ctx=cfg.n_ctx,
+                                    n_threads=cfg.n_threads, align_cache=root / "alignment",
+                                    tokenizer_cache=root / "tokenizers")
+
+    from tokenfuse.members.transformers import load_transformers_member
+
+    if source in BUNDLED:
+        source = str(ensure_converted(source, root=root, progress=progress))
     return load_transformers_member(
-        cfg.name, source, gguf_file=gguf_file, weight=cfg.weight, device=cfg.device, dtype=cfg.dtype,
+        cfg.name, source, gguf_file=cfg.gguf_file, weight=cfg.weight, device=cfg.device, dtype=cfg.dtype,
         trust_remote_code=cfg.trust_remote_code, align_cache=root / "alignment",
     )
 
@@ -39,6 +77,8 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
     from tqdm.auto import tqdm
 
     root = cache_dir(cfg.cache_dir)
+    for i, m in enumerate(cfg.members):
+        check_source(m, i)
     members = []
     bar = tqdm(cfg.members, desc="loading members", unit="model", disable=not progress)
     for i, m in enumerate(bar):

@@ -142,6 +142,7 @@ class ByteCodec:
         *,
         vocab_size: int | None = None,
         extra_end_ids: Iterable[int] = (),
+        extra_special_ids: Iterable[int] = (),
         content_hash: str | None = None,
         tables: dict | None = None,
     ) -> None:
@@ -154,7 +155,7 @@ class ByteCodec:
         if tables is not None:  # from the on-disk cache: no per-token work
             self.__dict__.update(tables)
         else:
-            self._build(tokenizer, backend, vocab_size, extra_end_ids, content_hash)
+            self._build(tokenizer, backend, vocab_size, extra_end_ids, extra_special_ids, content_hash)
         if self.decode(self.encode_text("a b")) != b"a b":
             raise AlignmentError(
                 "tokenizer round trip failed after removing the dummy prefix: "
@@ -174,7 +175,7 @@ class ByteCodec:
             return backend  # declared but not applied (e.g. ByteLevel use_regex quirk)
         return Tokenizer.from_str(json.dumps(_without_prefix_space(json.loads(backend.to_str()))))
 
-    def _build(self, tokenizer, backend, vocab_size, extra_end_ids, content_hash) -> None:
+    def _build(self, tokenizer, backend, vocab_size, extra_end_ids, extra_special_ids, content_hash) -> None:
         decoder, pre = _state(backend.decoder), _state(backend.pre_tokenizer)
         self.kind = detect_kind({"decoder": decoder, "pre_tokenizer": pre})
         byte_fallback = bool(getattr(backend.model, "byte_fallback", False))
@@ -188,6 +189,7 @@ class ByteCodec:
 
         added = {i: a for i, a in backend.get_added_tokens_decoder().items() if 0 <= i < size}
         special = {i for i, a in added.items() if a.special}
+        special.update(int(i) for i in extra_special_ids)
         special.update(i for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None)
         unk = getattr(backend.model, "unk_token", None)
         if unk is not None and backend.token_to_id(unk) is not None:
@@ -216,7 +218,8 @@ class ByteCodec:
         self.token_bytes = token_bytes
         self.byte_ids = byte_ids
         self.vocab_size = size
-        self.fingerprint = codec_key(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids, content_hash=content_hash)
+        self.fingerprint = codec_key(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
+                                     extra_special_ids=extra_special_ids, content_hash=content_hash)
 
     def tables(self) -> dict:
         """Everything but the encoder, for the on-disk cache (see ``tokenfuse.alignment.union``)."""
@@ -283,7 +286,12 @@ class ByteCodec:
 
 
 def codec_key(
-    tokenizer: Any, *, vocab_size: int | None, extra_end_ids: Iterable[int] = (), content_hash: str | None = None
+    tokenizer: Any,
+    *,
+    vocab_size: int | None,
+    extra_end_ids: Iterable[int] = (),
+    extra_special_ids: Iterable[int] = (),
+    content_hash: str | None = None,
 ) -> str:
     """Cache key of a member's byte tables: tokenizer content, chat template, END ids, vocab size."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
@@ -295,6 +303,7 @@ def codec_key(
         str(getattr(tokenizer, "chat_template", None)),
         str(getattr(tokenizer, "eos_token_id", None)),
         str(sorted(int(i) for i in extra_end_ids if i is not None)),
+        str(sorted(int(i) for i in extra_special_ids)),
         str(vocab_size),
     ]
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ import numpy as np
 from tokenfuse.alignment.bytes import ByteCodec
 
 END = 0
+# What reading a damaged cache file can raise (truncated or empty .npz: BadZipFile, EOFError).
+_DAMAGED = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ def build_union(codecs: Sequence[ByteCodec], *, cache: Path | None = None) -> Un
             object.__setattr__(union, "build_seconds", time.perf_counter() - start)
             object.__setattr__(union, "from_cache", True)
             return union
-        except (OSError, KeyError, ValueError):
+        except _DAMAGED:
             pass  # a damaged cache file is rebuilt below
     distinct: set[bytes] = set()
     for c in codecs:
@@ -183,20 +186,23 @@ def load_codec_tables(path: Path) -> dict:
         }
 
 
-def load_or_build_codec(tokenizer, *, vocab_size: int | None, extra_end_ids=(), content_hash: str | None = None,
-                        cache: Path | None = None) -> ByteCodec:
+def load_or_build_codec(tokenizer, *, vocab_size: int | None, extra_end_ids=(), extra_special_ids=(),
+                        content_hash: str | None = None, cache: Path | None = None) -> ByteCodec:
     """A member's ``ByteCodec``, from the on-disk cache when its key matches."""
     from tokenfuse.alignment.bytes import codec_key
 
     if cache is None:
-        return ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids, content_hash=content_hash)
-    key = codec_key(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids, content_hash=content_hash)
+        return ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
+                         extra_special_ids=extra_special_ids, content_hash=content_hash)
+    key = codec_key(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
+                    extra_special_ids=extra_special_ids, content_hash=content_hash)
     path = cache / f"codec-{key}.npz"
     if path.exists():
         try:
             return ByteCodec(tokenizer, tables=load_codec_tables(path))
-        except (OSError, KeyError, ValueError):
+        except _DAMAGED:
             pass
-    codec = ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids, content_hash=content_hash)
+    codec = ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
+                         extra_special_ids=extra_special_ids, content_hash=content_hash)
     save_codec(path, codec)
     return codec

@@ -180,12 +180,12 @@ class Ensemble:
                 # 3. append the piece, then check END, stop strings and the length limit
                 before = len(s.output)
                 piece = self.union.pieces[u] if u != END else b""
-                s.ensembled += ens
                 if u == END:
                     s.finished = "end"
                 else:
                     s.output += piece
                     s.steps += 1
+                    s.ensembled += ens  # like ``steps``, END is not counted
                     if (cut := _find_stop(s.output, stops, before)) is not None:
                         del s.output[cut:]
                         s.finished = "stop"
@@ -194,6 +194,8 @@ class Ensemble:
                 # 4. re-synchronise every member on the new output
                 if s.finished in (None, "length"):
                     self._resync(s, u, before)
+                elif s.finished == "stop":
+                    self._resync_trimmed(s)
                 yield StepEvent(s.index, piece if s.finished != "stop" else bytes(s.output[before:]), ens, s.finished)
 
     # ------------------------------------------------------------------ stages
@@ -248,6 +250,16 @@ class Ensemble:
                 resync(m.codec, st, out, window=self.window)
         self.timings["resync"] += time.perf_counter() - t
 
+    def _resync_trimmed(self, s: _Seq) -> None:
+        """After a stop string was cut off (possibly reaching into earlier pieces), make every
+        member's ids decode to the trimmed output again, so ``member_ids`` keeps its contract."""
+        t = time.perf_counter()
+        out = bytes(s.output)
+        for m, st in zip(self.members, s.states):
+            _rollback(st, len(out))
+            resync(m.codec, st, out, window=self.window)
+        self.timings["resync"] += time.perf_counter() - t
+
     # ------------------------------------------------------------------ helpers
     def _start(self, index: int, prompt: Prompt, *, chat: bool, sampling: Sampling) -> _Seq:
         messages = [{"role": "user", "content": prompt}] if (chat and isinstance(prompt, str)) else prompt
@@ -291,6 +303,20 @@ def _find_stop(output: bytearray, stops: list[bytes], before: int) -> int | None
         if pos >= 0 and (best is None or pos < best):
             best = pos
     return best
+
+
+def _rollback(st: SeqState, n: int) -> None:
+    """Drop a member's ids that reach past output byte ``n`` (the output was trimmed to ``n``)."""
+    ends = st.starts[1:] + [st.covered]
+    keep = sum(1 for e in ends[: len(st.ids)] if e <= n)  # token ends never decrease
+    if keep == len(st.ids) and st.covered <= n:
+        return
+    st.ids = st.ids[:keep]
+    st.starts = st.starts[:keep]
+    st.covered = ends[keep - 1] if keep else 0
+    st.provisional = False
+    st.n_valid = min(st.n_valid, len(st.prompt_ids) + keep)
+    st.logprobs = None
 
 
 def _safe_end(out: bytes, stops: list[bytes]) -> int:

@@ -36,7 +36,7 @@ def resync(codec: ByteCodec, st: SeqState, output: bytes, *, window: int = 8, ch
     if st.covered == len(output) and not st.provisional:
         return
     k = max(0, len(st.ids) - window)
-    for _ in range(WIDEN_LIMIT + 1):
+    for attempt in range(WIDEN_LIMIT + 1):
         while k > 0 and 0x80 <= output[st.starts[k]] < 0xC0:  # never start inside a character
             k -= 1
         s = st.starts[k] if k < len(st.ids) else st.covered
@@ -47,8 +47,9 @@ def resync(codec: ByteCodec, st: SeqState, output: bytes, *, window: int = 8, ch
             if a != b:
                 break
             c += 1
-        # The window's first token disagrees: its left edge is not stable; widen it.
-        if c == 0 and k > 0 and old and new_ids and old[0] != new_ids[0]:
+        # The window's first token disagrees: its left edge is not stable; widen it (only while
+        # attempts remain: ``k`` must stay the start that ``new_ids`` were encoded from).
+        if attempt < WIDEN_LIMIT and c == 0 and k > 0 and old and new_ids and old[0] != new_ids[0]:
             k = max(0, k - window)
             continue
         break

@@ -1,0 +1,166 @@
+"""Member backend: a GGUF file run by llama.cpp (llama-cpp-python), quantised as it ships.
+
+Compute runs in llama.cpp; the vocabulary goes through the same byte alignment as every other
+member, from the tokenizer that transformers builds out of the same GGUF file (cached as
+tokenizer.json). Its ids are the GGUF's ids, and a test checks every id's bytes against
+llama.cpp's own ``token_to_piece``.
+
+Each sequence gets its own llama.cpp context from a per-member pool (contexts share the loaded
+weights). Rollback removes cached positions past the common prefix
+(``llama_memory_seq_rm``); only the last position's logits are requested. Sliding-window layers
+(Gemma-3) keep their full cache (``swa_full``) so any rollback is possible.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenfuse.alignment.union import load_or_build_codec
+from tokenfuse.errors import ModelLoadError, ModelNotInstalledError
+from tokenfuse.members.base import Member, SeqState
+
+PIP_LLAMACPP = 'pip install "llama-cpp-python==0.3.36"'
+
+
+def import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise ModelNotInstalledError(
+            f"backend llamacpp needs llama-cpp-python (it compiles llama.cpp, a few minutes): {PIP_LLAMACPP}; "
+            "or set `backend: transformers` for this member"
+        ) from err
+    return llama_cpp
+
+
+class _Slot:
+    """One llama.cpp context holding one sequence's KV cache."""
+
+    def __init__(self, ctx: Any, batch: Any) -> None:
+        self.ctx = ctx
+        self.batch = batch
+        self.n = 0  # positions in the cache
+
+
+class LlamaCppMember(Member):
+    """A GGUF model run by llama.cpp, one context per live sequence."""
+
+    def __init__(self, name: str, gguf_path: str | os.PathLike, tokenizer: Any, *, weight: float = 1.0,
+                 n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512,
+                 content_hash: str | None = None, align_cache: Path | None = None) -> None:
+        llama_cpp = import_llama_cpp()
+        from llama_cpp import Llama
+
+        self.name = name
+        self.tokenizer = tokenizer
+        self.weight = float(weight)
+        self.path = str(gguf_path)
+        self.n_batch = n_batch
+        try:
+            self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                             n_threads=n_threads or max(1, os.cpu_count() or 1), logits_all=False,
+                             swa_full=True, verbose=False)
+        except (ValueError, RuntimeError) as err:
+            raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
+        self._lib = llama_cpp
+        self.n_vocab = self.llm.n_vocab()
+        self._free: list[_Slot] = [self._new_slot(self.llm._ctx)]
+        eos = [self.llm.token_eos()]
+        eot = self._lib.llama_vocab_eot(self.llm._model.vocab)
+        if eot >= 0:
+            eos.append(eot)
+        self.codec = load_or_build_codec(tokenizer, vocab_size=self.n_vocab, extra_end_ids=eos,
+                                         extra_special_ids=self._control_ids(), content_hash=content_hash,
+                                         cache=align_cache)
+
+    def _control_ids(self) -> list[int]:
+        """Ids the GGUF marks as control / unused / unknown: not text, whatever their spelling."""
+        lib, vocab = self._lib, self.llm._model.vocab
+        mask = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNUSED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+        return [i for i in range(self.n_vocab) if lib.llama_vocab_get_attr(vocab, i) & mask]
+
+    def _new_slot(self, ctx: Any = None) -> _Slot:
+        from llama_cpp._internals import LlamaBatch, LlamaContext
+
+        if ctx is None:
+            ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
+        return _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
+
+    def token_piece(self, token_id: int) -> bytes:
+        """llama.cpp's own bytes for a token id (text tokens; specials give b"")."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._lib.llama_token_to_piece(self.llm._model.vocab, token_id, buf, len(buf), 0, False)
+        return buf.raw[:n] if n >= 0 else b""
+
+    def _forward(self, st: SeqState) -> torch.Tensor:
+        slot: _Slot = st.cache
+        if slot is None:
+            slot = st.cache = self._free.pop() if self._free else self._new_slot()
+            slot.ctx.kv_cache_clear()
+            slot.n = 0
+            st.n_valid = 0
+        if slot.n > st.n_valid:
+            if not slot.ctx.kv_cache_seq_rm(0, st.n_valid, -1):  # cannot cut here: start over
+                slot.ctx.kv_cache_seq_rm(0, 0, -1)
+                st.n_valid = 0
+            slot.n = st.n_valid
+        new = st.all_ids()[st.n_valid :]
+        for i in range(0, len(new), self.n_batch):
+            chunk = new[i : i + self.n_batch]
+            b = slot.batch.batch
+            for j, tok in enumerate(chunk):
+                b.token[j] = tok
+                b.pos[j] = slot.n + j
+                b.seq_id[j][0] = 0
+                b.n_seq_id[j] = 1
+                b.logits[j] = False
+            b.logits[len(chunk) - 1] = True  # only the last position's logits are needed
+            b.n_tokens = len(chunk)
+            slot.ctx.decode(slot.batch)
+            slot.n += len(chunk)
+        logits = np.ctypeslib.as_array(slot.ctx.get_logits_ith(len(chunk) - 1), shape=(self.n_vocab,))
+        return torch.log_softmax(torch.from_numpy(logits.copy()), dim=-1)
+
+    def release(self, state: SeqState) -> None:
+        slot = state.cache
+        if isinstance(slot, _Slot):
+            slot.ctx.kv_cache_seq_rm(0, 0, -1)
+            slot.n = 0
+            self._free.append(slot)
+        super().release(state)
+
+
+def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
+                         weight: float = 1.0, n_ctx: int = 4096, n_threads: int | None = None,
+                         align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
+    """Load a GGUF with llama.cpp; its tokenizer comes from ``tokenizer_dir`` (tokenizer.json) or,
+    when not given, is built once from the GGUF by transformers and cached in ``tokenizer_cache``."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"member {name!r}: GGUF file not found: {path}")
+    t0 = time.perf_counter()
+    if tokenizer_dir is None:
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+        tokenizer_dir = (tokenizer_cache or path.parent) / f"tokenizer-{key}"
+        if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok.save_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tj = Path(tokenizer_dir) / "tokenizer.json"
+    content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if tj.is_file() else None
+    member = LlamaCppMember(name, path, tokenizer, weight=weight, n_ctx=n_ctx, n_threads=n_threads,
+                            content_hash=content_hash, align_cache=align_cache)
+    member.load_seconds = time.perf_counter() - t0
+    return member

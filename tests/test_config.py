@@ -1,0 +1,174 @@
+"""The YAML config: round trips, and every error names the field (and the file) it is about."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tokenfuse.config import EnsembleConfig, config_from_models, load_config, parse_config
+from tokenfuse.errors import ConfigError
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+
+FULL = {
+    "members": [
+        {"name": "smol", "source": "smollm2-135m-instruct", "weight": 2.0},
+        {"name": "gemma", "source": "/models/gemma", "dtype": "bfloat16", "device": "cpu"},
+        {"name": "qwen2.5-coder-0.5b-instruct"},
+    ],
+    "method": "gac",
+    "gate": "smol",
+    "threshold": 0.4,
+    "window": 16,
+    "decoding": {"max_new_tokens": 32, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3,
+                 "stop": ["\n\n", "User:"]},
+    "cache_dir": "/tmp/tf-cache",
+}
+
+
+def _error(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, origin="cfg.yaml")
+    return str(info.value)
+
+
+def _members(*names, **extra):
+    return [{"name": n, **extra} for n in names]
+
+
+# ---------------------------------------------------------------------------------------- valid
+def test_full_config_round_trips_through_yaml(tmp_path):
+    cfg = parse_config(FULL)
+    assert cfg.members[0].weight == 2.0 and cfg.members[2].resolved_source == "qwen2.5-coder-0.5b-instruct"
+    assert cfg.members[1].resolved_source == "/models/gemma"
+    text = cfg.to_yaml()
+    again = parse_config(yaml.safe_load(text))
+    assert again == cfg
+    path = tmp_path / "ens.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert load_config(path) == cfg
+    assert load_config(str(path)).to_yaml() == text
+
+
+def test_minimal_config_gets_the_defaults():
+    cfg = parse_config({"members": [{"name": "gemma3-270m"}]})
+    assert cfg.method == "gac" and cfg.gate is None and cfg.threshold is None and cfg.window == 8
+    assert cfg.members[0].resolved_source == "gemma3-270m" and cfg.members[0].weight == 1.0
+    d = cfg.decoding
+    assert (d.max_new_tokens, d.temperature, d.top_p, d.top_k, d.seed, d.stop) == (64, 0.0, 1.0, 0, None, [])
+    assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
+    assert "null" not in cfg.to_yaml()
+
+
+def test_zero_weight_is_allowed_if_another_member_counts():
+    cfg = parse_config({"members": [{"name": "a", "weight": 0}, {"name": "b"}]})
+    assert [m.weight for m in cfg.members] == [0.0, 1.0]
+
+
+@pytest.mark.skipif(not EXAMPLES, reason="no examples/*.yaml")
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_parse(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, EnsembleConfig) and cfg.members
+    assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+def test_config_from_models():
+    cfg = config_from_models("smollm2-135m-instruct, /models/gemma/ ,org/qwen-0.5b,x/y/tiny.gguf",
+                             gate="smollm2-135m-instruct", threshold=0.5, method=None)
+    assert [m.name for m in cfg.members] == ["smollm2-135m-instruct", "gemma", "qwen-0.5b", "tiny"]
+    assert [m.source for m in cfg.members] == ["smollm2-135m-instruct", "/models/gemma/", "org/qwen-0.5b",
+                                              "x/y/tiny.gguf"]
+    assert (cfg.gate, cfg.threshold, cfg.method) == ("smollm2-135m-instruct", 0.5, "gac")
+    assert config_from_models(["a", "b"]) == config_from_models("a,b")
+
+
+# ---------------------------------------------------------------------------------------- errors
+def test_negative_weight_names_the_field():
+    msg = _error({"members": [{"name": "a", "weight": -1}, {"name": "b"}]})
+    assert "members.0.weight" in msg and msg.startswith("cfg.yaml: ")
+    msg = _error({"members": [{"name": "a"}, {"name": "b", "weight": "heavy"}]})
+    assert "members.1.weight" in msg
+
+
+def test_unknown_method_lists_the_available_ones():
+    msg = _error({"members": _members("a"), "method": "gca"})
+    assert "method" in msg and "'gca'" in msg and "gac" in msg
+
+
+def test_threshold_needs_a_gate():
+    msg = _error({"members": _members("a", "b"), "threshold": 0.5})
+    assert "gate" in msg and "threshold" in msg
+
+
+def test_gate_must_be_a_member():
+    msg = _error({"members": _members("a", "b"), "gate": "c", "threshold": 0.5})
+    assert "gate" in msg and "'c'" in msg and "a, b" in msg
+
+
+def test_duplicate_names():
+    msg = _error({"members": _members("a", "b", "a")})
+    assert "members" in msg and "unique" in msg and "repeated: a" in msg
+
+
+@pytest.mark.parametrize("data,where", [
+    ({"members": _members("a"), "temprature": 0.5}, "temprature"),
+    ({"members": [{"name": "a", "wieght": 2}]}, "members.0.wieght"),
+    ({"members": _members("a"), "decoding": {"max_tokens": 5}}, "decoding.max_tokens"),
+])
+def test_unknown_key_is_named(data, where):
+    msg = _error(data)
+    assert where in msg and "not permitted" in msg
+
+
+@pytest.mark.parametrize("data,where", [
+    ({"members": []}, "members"),
+    ({"members": _members("a"), "threshold": 1.5, "gate": "a"}, "threshold"),
+    ({"members": _members("a"), "decoding": {"top_p": 0}}, "decoding.top_p"),
+    ({"members": _members("a"), "decoding": {"max_new_tokens": 0}}, "decoding.max_new_tokens"),
+    ({"members": _members("a"), "decoding": {"temperature": -1}}, "decoding.temperature"),
+    ({"members": [{"name": "a", "dtype": "int8"}]}, "members.0.dtype"),
+    ({"members": [{"name": ""}]}, "members.0.name"),
+    ({"members": _members("a"), "window": 0}, "window"),
+])
+def test_out_of_range_values_are_named(data, where):
+    assert f"cfg.yaml: {where}: " in _error(data)
+
+
+def test_all_zero_weights():
+    msg = _error({"members": [{"name": "a", "weight": 0}, {"name": "b", "weight": 0}]})
+    assert "members" in msg and "weight" in msg
+
+
+def test_not_a_mapping():
+    assert "members" in _error(["a", "b"])
+    assert _error(None).startswith("cfg.yaml: ")
+
+
+def test_missing_file_names_it(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml") as info:
+        load_config(path)
+    assert "not found" in str(info.value)
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("members:\n  - name: a\n   weight: [1\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="broken.yaml") as info:
+        load_config(path)
+    assert "YAML" in str(info.value)
+
+
+def test_invalid_values_in_a_file_name_the_file_and_field(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("members:\n  - name: a\n    weight: -2\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: members.0.weight: ")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("", encoding="utf-8")
+    with pytest.raises(ConfigError, match="empty.yaml"):
+        load_config(empty)
