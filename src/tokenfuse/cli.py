@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--thresholds", default="0.3,0.5,0.7", help="thresholds for the gated rows")
     b.add_argument("--quick", action="store_true", help="two prompts, one round")
     b.add_argument("--json", dest="json_path", help="also write the rows to this JSON file")
+    b.add_argument("--plot", dest="plot_path", help="draw the rows to this image (needs matplotlib)")
+    b.add_argument("--backends", default="llamacpp,transformers",
+                   help="backends to compare, in one run (default: llamacpp,transformers)")
     return parser
 
 
@@ -109,11 +112,9 @@ def resolve_config(args: argparse.Namespace):
 
 
 def _quiet_transformers() -> None:
+    # Environment only: importing transformers here would cost seconds on the llama.cpp path.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -180,8 +181,10 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     _quiet_transformers()
     thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
-    run_bench(cfg, max_new_tokens=args.max_new_tokens, repeats=1 if args.quick else args.repeats,
-              thresholds=thresholds, quick=args.quick, json_path=args.json_path)
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    run_bench(cfg, backends=backends, max_new_tokens=args.max_new_tokens,
+              repeats=1 if args.quick else args.repeats, thresholds=thresholds, quick=args.quick,
+              json_path=args.json_path, plot_path=args.plot_path)
     return 0
 
 

@@ -9,6 +9,7 @@ shared between members.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +80,8 @@ class Ensemble:
         gate, threshold: thresholded mode (GaC Eq. 5): the gate member runs every step; the others
             only when the gate's top probability is ``<= threshold``.
         window: look-behind window (member tokens) for re-synchronisation.
+        parallel: forward the members in threads instead of one after another (see the README's
+            benchmark section for which is faster on a 2-core CPU).
         align_cache: directory for cached alignment tables (``None``: no disk cache).
     """
 
@@ -91,6 +94,7 @@ class Ensemble:
         gate: str | None = None,
         threshold: float | None = None,
         window: int = 8,
+        parallel: bool = False,
         align_cache=None,
         union: UnionVocab | None = None,
     ) -> None:
@@ -110,6 +114,8 @@ class Ensemble:
         self.gate = names.index(gate) if gate is not None else None
         self.threshold = threshold
         self.window = window
+        self.parallel = parallel
+        self._pool = ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="member") if parallel else None
         self.union = union or build_union([m.codec for m in members], cache=align_cache)
         self.projector = Projector(self.union)
         self.timings = dict.fromkeys(STAGES, 0.0)
@@ -203,7 +209,7 @@ class Ensemble:
         weights = [m.weight for m in self.members]
         if self.gate is None:
             run = [i for i, w in enumerate(weights) if w > 0]
-            lp = {i: self._forward(i, active) for i in run}
+            lp = self._forward_many(run, active)
             projected = self._align(lp)
             t = time.perf_counter()
             q = self.combiner.combine([projected[i] for i in run], [weights[i] for i in run])
@@ -215,7 +221,7 @@ class Ensemble:
         rows = [r for r in range(len(active)) if not confident[r]]
         others = [i for i, w in enumerate(weights) if w > 0 and i != g] if rows else []
         lp = {g: gate_lp}
-        lp.update({i: self._forward(i, [active[r] for r in rows]) for i in others})
+        lp.update(self._forward_many(others, [active[r] for r in rows]))
         projected = self._align(lp)
         q = projected[g].clone()
         if rows and others:
@@ -225,6 +231,19 @@ class Ensemble:
             q[rows] = self.combiner.combine(parts, [weights[i] for i in run])
             self.timings["combine"] += time.perf_counter() - t
         return q, [not bool(c) and bool(others) for c in confident]
+
+    def _forward_many(self, members: list[int], seqs: list[_Seq]) -> dict[int, torch.Tensor]:
+        """Forward several members on the same sequences: one after another, or in threads
+        (``parallel``; backends that release the GIL, such as llama.cpp, then overlap)."""
+        if not members or not seqs:
+            return {}
+        if not self.parallel or len(members) == 1:
+            return {i: self._forward(i, seqs) for i in members}
+        t = time.perf_counter()
+        futures = {i: self._pool.submit(self.members[i].next_logprobs, [s.states[i] for s in seqs]) for i in members}
+        out = {i: f.result() for i, f in futures.items()}
+        self.timings["forward"] += time.perf_counter() - t
+        return out
 
     def _forward(self, i: int, seqs: list[_Seq]) -> torch.Tensor:
         t = time.perf_counter()

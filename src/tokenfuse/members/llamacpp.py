@@ -144,7 +144,7 @@ def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_d
     when not given, is built once from the GGUF by transformers and cached in ``tokenizer_cache``."""
     import hashlib
 
-    from transformers import AutoTokenizer
+    from tokenfuse.members.fasttok import FastTokenizer
 
     path = Path(gguf_path).expanduser()
     if not path.is_file():
@@ -155,9 +155,10 @@ def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_d
         key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
         tokenizer_dir = (tokenizer_cache or path.parent) / f"tokenizer-{key}"
         if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            tok.save_pretrained(tokenizer_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+            from transformers import AutoTokenizer  # only to build tokenizer.json from the GGUF, once
+
+            AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tokenizer_dir)
+    tokenizer = FastTokenizer(tokenizer_dir)
     tj = Path(tokenizer_dir) / "tokenizer.json"
     content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if tj.is_file() else None
     member = LlamaCppMember(name, path, tokenizer, weight=weight, n_ctx=n_ctx, n_threads=n_threads,
