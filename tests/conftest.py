@@ -87,3 +87,14 @@ def real_members(align_cache):
 
     return {short: load_member(MemberConfig(name=short, source=full, backend="transformers"), progress=False)
             for short, full in SHORT.items()}
+
+
+@pytest.fixture(scope="session")
+def llamacpp_members():
+    """The three bundled models on the llama.cpp backend (quantised, as shipped)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh installs it)")
+    from tokenfuse.config import MemberConfig
+    from tokenfuse.load import load_member
+
+    return {short: load_member(MemberConfig(name=short, source=full, backend="llamacpp"), progress=False)
+            for short, full in SHORT.items()}

@@ -1,10 +1,12 @@
 """``tokenfuse bench``: every configuration in one process, interleaved, medians per token.
 
 Rows, for each backend asked for (llama.cpp and transformers by default): each member alone,
-GaC every step (members one after another, and in threads), and GaC thresholded at each ``t``
+GaC every step (members in threads, the default, and one after another), and GaC thresholded at each ``t``
 with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
 first. Each round runs every row on every prompt before the next round, so machine drift hits all
-rows alike. ms/token = wall time of a generation (prompt prefill included) / chosen pieces.
+rows alike. ms/token counts decode only: wall time from the first chosen piece (prompt prefill
+done) to the last, divided by the pieces after the first; stages likewise. ``ensembled_share`` is
+over all steps of the generation.
 """
 
 from __future__ import annotations
@@ -38,6 +40,25 @@ def _p90(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
 
 
+def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int) -> dict | None:
+    """Per-token figures of one generation, decode only: from the first chosen piece (the prompt
+    prefill is behind it) to the last. ``None`` if fewer than two pieces were generated."""
+    seqs: list = []
+    events = ens.steps([prompt], max_new_tokens=max_new_tokens, sampling=Sampling(), _seqs=seqs)
+    next(events)
+    t0, before = time.perf_counter(), dict(ens.timings)
+    n = sum(1 for ev in events if ev.piece)
+    wall = time.perf_counter() - t0
+    s = seqs[0]
+    for m, st in zip(ens.members, s.states):
+        m.release(st)
+    if n == 0:
+        return None
+    stages = {k: 1000 * (ens.timings[k] - before[k]) / n for k in STAGES}
+    stages["other"] = 1000 * wall / n - sum(stages.values())
+    return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, **stages}
+
+
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -62,6 +83,23 @@ def warm_start_seconds(cfg: EnsembleConfig, *, runs: int = 2) -> float:
         seconds = time.perf_counter() - t0
     Path(f.name).unlink()
     return seconds
+
+
+def _union_times(members, align: Path) -> dict:
+    """Alignment build: cold (byte tables from the tokenizers + union) and from the disk cache."""
+    from tokenfuse.alignment.bytes import ByteCodec
+    from tokenfuse.alignment.union import build_union, load_codec_tables
+
+    t0 = time.perf_counter()
+    codecs = [ByteCodec(m.tokenizer, vocab_size=m.codec.vocab_size, extra_end_ids=m.codec.end_ids,
+                        extra_special_ids=m.codec.special_ids) for m in members]
+    build_union(codecs, cache=None)
+    cold = time.perf_counter() - t0
+    build_union([m.codec for m in members], cache=align)  # make sure the union's cache file exists
+    t0 = time.perf_counter()
+    cached = [ByteCodec(m.tokenizer, tables=load_codec_tables(m.codec.cache_path)) for m in members]
+    build_union(cached, cache=align)
+    return {"cold_s": round(cold, 3), "cached_s": round(time.perf_counter() - t0, 3)}
 
 
 def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max_new_tokens: int = 32,
@@ -94,17 +132,13 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
                     entry["cold_convert_s"] = json.loads(mark.read_text())["seconds"]
             loads[f"{backend}:{mc.name}"] = entry
             members.append(m)
-        codecs = [m.codec for m in members]
-        t0 = time.perf_counter()
-        build_union(codecs, cache=None)
-        union_times[backend] = {"cold_s": round(time.perf_counter() - t0, 3),
-                                "cached_s": round(build_union(codecs, cache=align).build_seconds, 3)}
+        union_times[backend] = _union_times(members, align)
         for m in members:
             rows.append({"name": f"{backend}:{m.name}", "backend": backend, "ens": Ensemble([m], align_cache=align)})
         if len(members) > 1:
             rows.append({"name": f"{backend}:gac", "backend": backend, "ens": Ensemble(members, align_cache=align)})
-            rows.append({"name": f"{backend}:gac-parallel", "backend": backend,
-                         "ens": Ensemble(members, parallel=True, align_cache=align)})
+            rows.append({"name": f"{backend}:gac-sequential", "backend": backend,
+                         "ens": Ensemble(members, parallel=False, align_cache=align)})
             ts = thresholds if not (quick and backend != backends[0]) else ()
             for t in ts:
                 rows.append({"name": f"{backend}:gac-t{t}", "backend": backend,
@@ -117,11 +151,8 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
         for _ in range(repeats):
             for p in prompts:
                 for r in rows:
-                    g = r["ens"].generate(p, max_new_tokens=max_new_tokens, sampling=Sampling())
-                    n = max(g.steps, 1)
-                    r["samples"].append({"ms": 1000 * g.timings["total"] / n, "steps": g.steps,
-                                         "ens": g.ensembled_steps,
-                                         **{k: 1000 * g.timings[k] / n for k in STAGE_KEYS}})
+                    if (sample := _decode_sample(r["ens"], p, max_new_tokens)) is not None:
+                        r["samples"].append(sample)
                     r["rss"] = _rss_mb()
                     bar.update(1)
 

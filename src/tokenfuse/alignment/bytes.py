@@ -134,7 +134,10 @@ class ByteCodec:
         special_ids: ids that are not text (includes ``end_ids``).
         byte_ids: for each byte value 0..255 the id of its single-byte token, or ``None``.
         fingerprint: content hash of the tokenizer and the END set (alignment cache key).
+        cache_path: the file the tables were read from or written to (``None``: not cached).
     """
+
+    cache_path = None
 
     def __init__(
         self,

@@ -199,10 +199,13 @@ def load_or_build_codec(tokenizer, *, vocab_size: int | None, extra_end_ids=(), 
     path = cache / f"codec-{key}.npz"
     if path.exists():
         try:
-            return ByteCodec(tokenizer, tables=load_codec_tables(path))
+            codec = ByteCodec(tokenizer, tables=load_codec_tables(path))
+            codec.cache_path = path
+            return codec
         except _DAMAGED:
             pass
     codec = ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
                          extra_special_ids=extra_special_ids, content_hash=content_hash)
     save_codec(path, codec)
+    codec.cache_path = path
     return codec

@@ -94,7 +94,7 @@ class Ensemble:
         gate: str | None = None,
         threshold: float | None = None,
         window: int = 8,
-        parallel: bool = False,
+        parallel: bool = True,
         align_cache=None,
         union: UnionVocab | None = None,
     ) -> None:
