@@ -169,6 +169,10 @@ def _models(args: argparse.Namespace) -> int:
     for m in BUNDLED.values():
         print(f"{m.name:30} {'yes' if m.installed() else 'no':10} {'yes' if m.is_cached(root) else 'no':10} "
               f"{m.tokenizer_family}")
+    import importlib.util
+
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    print(f"\nllama.cpp backend: {'installed' if llama else 'not installed (pip install llama-cpp-python==0.3.36)'}")
     missing = [m for m in BUNDLED.values() if not m.installed()]
     for m in missing:
         print(f"\nto install {m.name}:\n  {m.pip_command}")

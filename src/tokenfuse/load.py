@@ -72,6 +72,13 @@ def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool =
     )
 
 
+def _needs_transformers(cfg: MemberConfig, root: Path) -> bool:
+    source = cfg.resolved_source
+    if resolve_backend(cfg) == "transformers":
+        return True
+    return source not in BUNDLED or not BUNDLED[source].is_cached(root, model=False)
+
+
 def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
     """Load every member of ``cfg`` (in threads, with a progress bar) and build the ensemble.
 
@@ -85,6 +92,10 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
     root = cache_dir(cfg.cache_dir)
     for i, m in enumerate(cfg.members):
         check_source(m, i)
+    if any(_needs_transformers(m, root) for m in cfg.members):
+        # transformers resolves its classes lazily on first import; doing that in several loader
+        # threads at once can fail, so do it here, once, first.
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
     with ThreadPoolExecutor(max_workers=len(cfg.members)) as pool, \
             tqdm(total=len(cfg.members), desc="loading members", unit="model", disable=not progress) as bar:
         futures = [pool.submit(load_member, m, root=root, progress=progress, index=i)
