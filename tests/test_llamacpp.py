@@ -83,3 +83,17 @@ def test_sequential_and_parallel_forward_agree(llamacpp_members):
     a = Ensemble(members, parallel=True).generate(PROMPTS[0], max_new_tokens=N)
     b = Ensemble(members, parallel=False).generate(PROMPTS[0], max_new_tokens=N)
     assert a.output == b.output and a.member_ids == b.member_ids
+
+
+def test_multi_seq_mode_stays_in_sync(llamacpp_members):
+    from tokenfuse.members.llamacpp import LlamaCppMember
+
+    base = llamacpp_members["gemma3"]
+    m = LlamaCppMember("gemma3-multi", base.path, base.tokenizer, multi_seq=3)
+    ens = Ensemble([m])
+    batch = ens.generate(PROMPTS, max_new_tokens=N)
+    for g in batch:
+        assert g.steps > 0 and m.codec.decode(g.member_ids[m.name]) == g.output
+    assert sorted(m._free_seq_ids) == [0, 1, 2]  # every sequence id came back
+    alone = ens.generate(PROMPTS[0], max_new_tokens=N)  # a single sequence is exact: same as contexts
+    assert alone.output == Ensemble([base]).generate(PROMPTS[0], max_new_tokens=N).output

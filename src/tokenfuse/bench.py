@@ -115,6 +115,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     root = cache_dir(cfg.cache_dir)
     align = root / "alignment"
     prompts = PROMPTS[:2] if quick else PROMPTS
+    max_new_tokens = min(max_new_tokens, 16) if quick else max_new_tokens
     rows: list[dict] = []
     loads: dict[str, dict] = {}
     union_times: dict[str, dict] = {}
@@ -135,12 +136,11 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
         union_times[backend] = _union_times(members, align)
         for m in members:
             rows.append({"name": f"{backend}:{m.name}", "backend": backend, "ens": Ensemble([m], align_cache=align)})
-        if len(members) > 1:
+        if len(members) > 1 and not (quick and backend != backends[0]):
             rows.append({"name": f"{backend}:gac", "backend": backend, "ens": Ensemble(members, align_cache=align)})
             rows.append({"name": f"{backend}:gac-sequential", "backend": backend,
                          "ens": Ensemble(members, parallel=False, align_cache=align)})
-            ts = thresholds if not (quick and backend != backends[0]) else ()
-            for t in ts:
+            for t in thresholds:
                 rows.append({"name": f"{backend}:gac-t{t}", "backend": backend,
                              "ens": Ensemble(members, gate=members[0].name, threshold=t, align_cache=align)})
 

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=32)
     b.add_argument("--repeats", type=int, default=3, help="rounds over the prompt set (median reported)")
     b.add_argument("--thresholds", default="0.3,0.5,0.7", help="thresholds for the gated rows")
-    b.add_argument("--quick", action="store_true", help="two prompts, one round")
+    b.add_argument("--quick", action="store_true",
+                   help="reduced run (two prompts, one round, 16 pieces; members alone for the second backend)")
     b.add_argument("--json", dest="json_path", help="also write the rows to this JSON file")
     b.add_argument("--plot", dest="plot_path", help="draw the rows to this image (needs matplotlib)")
     b.add_argument("--backends", default="llamacpp,transformers",

@@ -37,6 +37,7 @@ class MemberConfig(_Strict):
     trust_remote_code: bool = False
     n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
     n_threads: int | None = Field(None, ge=1)  # llamacpp: threads (default: all cores)
+    multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
 
     @property
     def resolved_source(self) -> str:

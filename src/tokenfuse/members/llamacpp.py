@@ -6,7 +6,10 @@ tokenizer.json). Its ids are the GGUF's ids, and a test checks every id's bytes 
 llama.cpp's own ``token_to_piece``.
 
 Each sequence gets its own llama.cpp context from a per-member pool (contexts share the loaded
-weights). Rollback removes cached positions past the common prefix
+weights), so a sequence's numbers never depend on what else is in the batch. ``multi_seq=N``
+instead puts up to N sequences in one context and decodes all their new tokens in one llama.cpp
+batch: faster for batches, but llama.cpp's batched kernels make the results depend on the batch's
+composition, so batch and one-by-one outputs can differ; it is off by default. Rollback removes cached positions past the common prefix
 (``llama_memory_seq_rm``); only the last position's logits are requested. Sliding-window layers
 (Gemma-3) keep their full cache (``swa_full``) so any rollback is possible.
 """
@@ -53,7 +56,7 @@ class LlamaCppMember(Member):
     """A GGUF model run by llama.cpp, one context per live sequence."""
 
     def __init__(self, name: str, gguf_path: str | os.PathLike, tokenizer: Any, *, weight: float = 1.0,
-                 n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512,
+                 n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512, multi_seq: int = 0,
                  content_hash: str | None = None, align_cache: Path | None = None) -> None:
         llama_cpp = import_llama_cpp()
         from llama_cpp import Llama
@@ -72,6 +75,12 @@ class LlamaCppMember(Member):
         self._lib = llama_cpp
         self.n_vocab = self.llm.n_vocab()
         self._free: list[_Slot] = [self._new_slot(self.llm._ctx)]
+        # multi_seq > 0: all sequences share one context with that many sequence ids, and a step
+        # decodes every sequence's new tokens in one llama.cpp batch (see README: measured slower).
+        self.multi_seq = multi_seq
+        self._multi: _Slot | None = None
+        self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
+        self._n_ctx = n_ctx
         eos = [self.llm.token_eos()]
         eot = self._lib.llama_vocab_eot(self.llm._model.vocab)
         if eot >= 0:
@@ -98,6 +107,64 @@ class LlamaCppMember(Member):
         buf = ctypes.create_string_buffer(256)
         n = self._lib.llama_token_to_piece(self.llm._model.vocab, token_id, buf, len(buf), 0, False)
         return buf.raw[:n] if n >= 0 else b""
+
+    def next_logprobs(self, states) -> torch.Tensor:
+        if not self.multi_seq:
+            return super().next_logprobs(states)
+        todo = [st for st in states if st.logprobs is None or st.logprobs_len != st.length or st.pending > 0]
+        if todo:
+            for st, lp in zip(todo, self._forward_multi(todo)):
+                st.logprobs, st.logprobs_len, st.n_valid = lp, st.length, st.length
+        return torch.stack([st.logprobs for st in states])
+
+    def _forward_multi(self, states: list[SeqState]) -> list[torch.Tensor]:
+        """One llama.cpp batch for the new tokens of every sequence (one context, one seq id each)."""
+        if self._multi is None:
+            from llama_cpp._internals import LlamaBatch, LlamaContext
+
+            params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
+            params.n_seq_max, params.kv_unified, params.n_ctx = self.multi_seq, True, self._n_ctx * self.multi_seq
+            ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
+            self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
+        ctx, batch = self._multi.ctx, self._multi.batch
+        work = []
+        for st in states:
+            if st.cache is None:
+                if not self._free_seq_ids:
+                    raise ModelLoadError(f"member {self.name!r}: more than multi_seq={self.multi_seq} live sequences")
+                st.cache, st.n_valid = [self._free_seq_ids.pop(), 0], 0
+            elif st.pending == 0:
+                st.n_valid -= 1  # the cache is complete but its last logits are gone: refeed one id
+            seq, cached = st.cache
+            if cached > st.n_valid:
+                ctx.kv_cache_seq_rm(seq, st.n_valid, -1)
+            st.cache[1] = st.n_valid
+            work.append((st, st.all_ids()[st.n_valid :]))
+        out: dict[int, torch.Tensor] = {}
+        queue = [(st, seq_ids) for st, seq_ids in work]
+        while queue:  # fill batches of at most n_batch tokens; a long prefill spans several
+            b, last, used, rest = batch.batch, {}, 0, []
+            for st, ids in queue:
+                take = ids[: self.n_batch - used]
+                for j, tok in enumerate(take):
+                    b.token[used + j], b.pos[used + j] = tok, st.cache[1] + j
+                    b.seq_id[used + j][0], b.n_seq_id[used + j], b.logits[used + j] = st.cache[0], 1, False
+                if take:
+                    st.cache[1] += len(take)
+                    used += len(take)
+                    if len(take) == len(ids):
+                        b.logits[used - 1] = True
+                        last[id(st)] = used - 1
+                if len(take) < len(ids):
+                    rest.append((st, ids[len(take):]))
+            b.n_tokens = used
+            ctx.decode(batch)
+            for st, _ in queue:
+                if id(st) in last:
+                    raw = np.ctypeslib.as_array(ctx.get_logits_ith(last[id(st)]), shape=(self.n_vocab,))
+                    out[id(st)] = torch.log_softmax(torch.from_numpy(raw.copy()), dim=-1)
+            queue = rest
+        return [out[id(st)] for st in states]
 
     def _forward(self, st: SeqState) -> torch.Tensor:
         slot: _Slot = st.cache
@@ -129,6 +196,10 @@ class LlamaCppMember(Member):
         return torch.log_softmax(torch.from_numpy(logits.copy()), dim=-1)
 
     def release(self, state: SeqState) -> None:
+        if self.multi_seq and isinstance(state.cache, list):
+            self._multi.ctx.kv_cache_seq_rm(state.cache[0], 0, -1)
+            self._free_seq_ids.append(state.cache[0])
+            state.cache = None
         slot = state.cache
         if isinstance(slot, _Slot):
             slot.ctx.kv_cache_seq_rm(0, 0, -1)
@@ -138,7 +209,7 @@ class LlamaCppMember(Member):
 
 
 def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
-                         weight: float = 1.0, n_ctx: int = 4096, n_threads: int | None = None,
+                         weight: float = 1.0, n_ctx: int = 4096, n_threads: int | None = None, multi_seq: int = 0,
                          align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
     """Load a GGUF with llama.cpp; its tokenizer comes from ``tokenizer_dir`` (tokenizer.json) or,
     when not given, is built once from the GGUF by transformers and cached in ``tokenizer_cache``."""
@@ -162,6 +233,6 @@ def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_d
     tj = Path(tokenizer_dir) / "tokenizer.json"
     content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if tj.is_file() else None
     member = LlamaCppMember(name, path, tokenizer, weight=weight, n_ctx=n_ctx, n_threads=n_threads,
-                            content_hash=content_hash, align_cache=align_cache)
+                            multi_seq=multi_seq, content_hash=content_hash, align_cache=align_cache)
     member.load_seconds = time.perf_counter() - t0
     return member
