@@ -97,3 +97,19 @@ def test_multi_seq_mode_stays_in_sync(llamacpp_members):
     assert sorted(m._free_seq_ids) == [0, 1, 2]  # every sequence id came back
     alone = ens.generate(PROMPTS[0], max_new_tokens=N)  # a single sequence is exact: same as contexts
     assert alone.output == Ensemble([base]).generate(PROMPTS[0], max_new_tokens=N).output
+
+
+def test_cli_default_ensemble_prints_its_text(llamacpp_members):
+    """The README's main command, end to end in a fresh process: members load in threads and the
+    output must still reach stdout (llama.cpp's load-time fd redirection once swallowed it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tokenfuse.cli", "generate", PROMPTS[0], "--max-new-tokens", "6",
+                          "--json", "--quiet"], capture_output=True, text=True, timeout=300, check=True)
+    import json
+
+    result = json.loads(out.stdout)
+    assert result["steps"] > 0 and result["text"].strip()
+    assert [m["name"] for m in result["members"]] == [
+        "smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ from tokenfuse.errors import ModelLoadError, ModelNotInstalledError
 from tokenfuse.members.base import Member, SeqState
 
 PIP_LLAMACPP = 'pip install "llama-cpp-python==0.3.36"'
+# llama-cpp-python silences llama.cpp while it loads by redirecting the process's stdout/stderr
+# file descriptors; two threads doing that at once leave them pointing at /dev/null for good.
+# Model and context creation therefore take this lock (members may be loaded in threads).
+_LOAD_LOCK = threading.Lock()
 
 
 def import_llama_cpp():
@@ -67,9 +72,10 @@ class LlamaCppMember(Member):
         self.path = str(gguf_path)
         self.n_batch = n_batch
         try:
-            self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                             n_threads=n_threads or max(1, os.cpu_count() or 1), logits_all=False,
-                             swa_full=True, verbose=False)
+            with _LOAD_LOCK:
+                self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                                 n_threads=n_threads or max(1, os.cpu_count() or 1), logits_all=False,
+                                 swa_full=True, verbose=False)
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
@@ -99,7 +105,8 @@ class LlamaCppMember(Member):
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
         if ctx is None:
-            ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
+            with _LOAD_LOCK:
+                ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
         return _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
 
     def token_piece(self, token_id: int) -> bytes:
@@ -124,7 +131,8 @@ class LlamaCppMember(Member):
 
             params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
             params.n_seq_max, params.kv_unified, params.n_ctx = self.multi_seq, True, self._n_ctx * self.multi_seq
-            ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
+            with _LOAD_LOCK:
+                ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
             self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
         ctx, batch = self._multi.ctx, self._multi.batch
         work = []
