@@ -60,3 +60,33 @@ def test_threshold_extremes_on_real_models(real_members):
     assert t1.output == full.output and t1.ensembled_steps == t1.steps
     for m in members:  # lazy members were kept in sync on text
         assert m.codec.decode(t0.member_ids[m.name]) == t0.output
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
+def test_fast_tokenizer_matches_auto_tokenizer(tokenizer_dirs, tokenizers, family):
+    """The bundled members load their tokenizer with FastTokenizer; it must behave as AutoTokenizer."""
+    from tokenfuse.alignment.bytes import ByteCodec
+    from tokenfuse.members.base import Member
+    from tokenfuse.members.fasttok import FastTokenizer
+
+    fast, auto = FastTokenizer(tokenizer_dirs[family]), tokenizers[family]
+    for text in [PROMPT, " leading space", "naïve café 😀 東京\n\n", "<|im_end|><eos> x", ""]:
+        for special in (True, False):
+            assert fast(text, add_special_tokens=special)["input_ids"] == \
+                auto(text, add_special_tokens=special)["input_ids"], (text, special)
+    assert (fast.eos_token_id, fast.bos_token_id, len(fast)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> 😀"}]
+    assert bool(fast.chat_template) == bool(auto.chat_template)
+    if auto.chat_template:
+        assert fast.apply_chat_template(msgs, add_generation_prompt=True) == \
+            auto.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    a, b = ByteCodec(fast, vocab_size=len(auto)), ByteCodec(auto, vocab_size=len(auto))
+    assert (a.token_bytes, a.end_ids, a.special_ids, a.byte_ids) == (b.token_bytes, b.end_ids, b.special_ids, b.byte_ids)
+
+    class _M(Member):
+        def _forward(self, state):  # never called
+            raise AssertionError
+
+    fm, am = _M(), _M()
+    fm.tokenizer, am.tokenizer = fast, auto
+    assert fm.render_chat(msgs) == am.render_chat(msgs)

@@ -179,7 +179,8 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
             "steps": steps,
             "peak_rss_mb": round(r["rss"], 1),
         })
-    result = {"rows": table, "loads": loads, "union": union_times, "union_size": len(rows[-1]["ens"].union),
+    result = {"rows": table, "loads": loads, "union": union_times,
+              "union_size": max(len(r["ens"].union) for r in rows),
               "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(prompts),
               "warm_start_s": round(warm_start_seconds(_with_backend(cfg, backends[0])), 2)}
     _print(result)

@@ -64,11 +64,15 @@ def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool =
 
     from tokenfuse.members.transformers import load_transformers_member
 
+    tokenizer = None
     if source in BUNDLED:
+        from tokenfuse.members.fasttok import FastTokenizer
+
         source = str(ensure_converted(source, root=root, progress=progress))
+        tokenizer = FastTokenizer(source)  # checked against AutoTokenizer in tests/test_real.py
     return load_transformers_member(
         cfg.name, source, gguf_file=cfg.gguf_file, weight=cfg.weight, device=cfg.device, dtype=cfg.dtype,
-        trust_remote_code=cfg.trust_remote_code, align_cache=root / "alignment",
+        trust_remote_code=cfg.trust_remote_code, align_cache=root / "alignment", tokenizer=tokenizer,
     )
 
 

@@ -60,8 +60,13 @@ def load_transformers_member(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     align_cache: Path | None = None,
+    tokenizer: Any = None,
 ) -> TransformersMember:
-    """Load a member from a hub id, a local directory (safetensors) or a GGUF file."""
+    """Load a member from a hub id, a local directory (safetensors) or a GGUF file.
+
+    ``tokenizer``: an already loaded tokenizer to use instead of ``AutoTokenizer`` (the bundled
+    models pass the fast ``FastTokenizer``).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device == "auto":
@@ -75,7 +80,8 @@ def load_transformers_member(
         kwargs["gguf_file"] = gguf_file
     t0 = time.perf_counter()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[dtype], **kwargs)
     except OSError as err:
         raise ModelLoadError(
