@@ -54,6 +54,11 @@ class SeqState:
         return self.prompt_ids + self.ids
 
     @property
+    def stale(self) -> bool:
+        """The last log-probabilities do not belong to the current ids (a forward is needed)."""
+        return self.logprobs is None or self.logprobs_len != self.length or self.pending > 0
+
+    @property
     def pending(self) -> int:
         """Ids not yet in the cache (fed in one chunk at the next forward)."""
         return self.length - self.n_valid
@@ -107,7 +112,7 @@ class Member(ABC):
         """
         out = []
         for st in states:
-            if st.logprobs is None or st.logprobs_len != st.length or st.pending > 0:
+            if st.stale:
                 if st.pending == 0:  # the cache is complete but its last logits are gone: refeed one id
                     st.n_valid -= 1
                 st.logprobs = self._forward(st)

@@ -118,7 +118,7 @@ class LlamaCppMember(Member):
     def next_logprobs(self, states) -> torch.Tensor:
         if not self.multi_seq:
             return super().next_logprobs(states)
-        todo = [st for st in states if st.logprobs is None or st.logprobs_len != st.length or st.pending > 0]
+        todo = [st for st in states if st.stale]
         if todo:
             for st, lp in zip(todo, self._forward_multi(todo)):
                 st.logprobs, st.logprobs_len, st.n_valid = lp, st.length, st.length
