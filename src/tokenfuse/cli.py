@@ -112,7 +112,7 @@ def resolve_config(args: argparse.Namespace):
     return parse_config(data, origin=args.config or "command line")
 
 
-def _quiet_transformers() -> None:
+def _quiet_env() -> None:
     # Environment only: importing transformers here would cost seconds on the llama.cpp path.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -124,7 +124,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     cfg = resolve_config(args)
-    _quiet_transformers()
+    _quiet_env()
     t0 = time.perf_counter()
     ens = load_ensemble(cfg, progress=not (args.quiet or args.json))
     load_s = time.perf_counter() - t0
@@ -184,7 +184,7 @@ def _bench(args: argparse.Namespace) -> int:
     from tokenfuse.bench import run_bench
 
     cfg = resolve_config(args)
-    _quiet_transformers()
+    _quiet_env()
     thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     run_bench(cfg, backends=backends, max_new_tokens=args.max_new_tokens,

@@ -27,6 +27,8 @@ class GaC(Combiner):
         total = float(sum(weights))
         if total <= 0:
             raise ValueError("at least one computed member needs a positive weight")
+        if len(probs) == 1:  # one member: its own (already normalised) distribution
+            return probs[0]
         out = torch.zeros_like(probs[0])
         for p, w in zip(probs, weights):
             if w > 0:

@@ -223,7 +223,7 @@ class Ensemble:
         lp = {g: gate_lp}
         lp.update(self._forward_many(others, [active[r] for r in rows]))
         projected = self._align(lp)
-        q = projected[g].clone()
+        q = projected[g]  # rows the gate decides alone; ensembled rows are overwritten below
         if rows and others:
             t = time.perf_counter()
             run = [g] + others if weights[g] > 0 else others

@@ -110,16 +110,18 @@ class Member(ABC):
         Feeds every pending id (one chunked forward per state), after cropping the cache to
         ``n_valid``. A state with nothing pending reuses its last result.
         """
-        out = []
-        for st in states:
-            if st.stale:
-                if st.pending == 0:  # the cache is complete but its last logits are gone: refeed one id
-                    st.n_valid -= 1
-                st.logprobs = self._forward(st)
-                st.logprobs_len = st.length
-                st.n_valid = st.length
-            out.append(st.logprobs)
-        return torch.stack(out)
+        todo = [st for st in states if st.stale]
+        for st in todo:
+            if st.pending == 0:  # the cache is complete but its last logits are gone: refeed one id
+                st.n_valid -= 1
+        if todo:
+            for st, lp in zip(todo, self._forward_batch(todo)):
+                st.logprobs, st.logprobs_len, st.n_valid = lp, st.length, st.length
+        return torch.stack([st.logprobs for st in states])
+
+    def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
+        """Forward the states that need it; by default one chunked forward each."""
+        return [self._forward(st) for st in states]
 
     @abstractmethod
     def _forward(self, state: SeqState) -> torch.Tensor:

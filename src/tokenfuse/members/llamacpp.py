@@ -48,6 +48,11 @@ def import_llama_cpp():
     return llama_cpp
 
 
+def _put(b: Any, j: int, token: int, pos: int, seq: int) -> None:
+    """Write one token into position ``j`` of a llama.cpp batch (no logits requested)."""
+    b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j], b.logits[j] = token, pos, seq, 1, False
+
+
 class _Slot:
     """One llama.cpp context holding one sequence's KV cache."""
 
@@ -115,14 +120,8 @@ class LlamaCppMember(Member):
         n = self._lib.llama_token_to_piece(self.llm._model.vocab, token_id, buf, len(buf), 0, False)
         return buf.raw[:n] if n >= 0 else b""
 
-    def next_logprobs(self, states) -> torch.Tensor:
-        if not self.multi_seq:
-            return super().next_logprobs(states)
-        todo = [st for st in states if st.stale]
-        if todo:
-            for st, lp in zip(todo, self._forward_multi(todo)):
-                st.logprobs, st.logprobs_len, st.n_valid = lp, st.length, st.length
-        return torch.stack([st.logprobs for st in states])
+    def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
+        return self._forward_multi(states) if self.multi_seq else super()._forward_batch(states)
 
     def _forward_multi(self, states: list[SeqState]) -> list[torch.Tensor]:
         """One llama.cpp batch for the new tokens of every sequence (one context, one seq id each)."""
@@ -141,8 +140,6 @@ class LlamaCppMember(Member):
                 if not self._free_seq_ids:
                     raise ModelLoadError(f"member {self.name!r}: more than multi_seq={self.multi_seq} live sequences")
                 st.cache, st.n_valid = [self._free_seq_ids.pop(), 0], 0
-            elif st.pending == 0:
-                st.n_valid -= 1  # the cache is complete but its last logits are gone: refeed one id
             seq, cached = st.cache
             if cached > st.n_valid:
                 ctx.kv_cache_seq_rm(seq, st.n_valid, -1)
@@ -155,8 +152,7 @@ class LlamaCppMember(Member):
             for st, ids in queue:
                 take = ids[: self.n_batch - used]
                 for j, tok in enumerate(take):
-                    b.token[used + j], b.pos[used + j] = tok, st.cache[1] + j
-                    b.seq_id[used + j][0], b.n_seq_id[used + j], b.logits[used + j] = st.cache[0], 1, False
+                    _put(b, used + j, tok, st.cache[1] + j, st.cache[0])
                 if take:
                     st.cache[1] += len(take)
                     used += len(take)
@@ -169,8 +165,7 @@ class LlamaCppMember(Member):
             ctx.decode(batch)
             for st, _ in queue:
                 if id(st) in last:
-                    raw = np.ctypeslib.as_array(ctx.get_logits_ith(last[id(st)]), shape=(self.n_vocab,))
-                    out[id(st)] = torch.log_softmax(torch.from_numpy(raw.copy()), dim=-1)
+                    out[id(st)] = self._logprobs(ctx, last[id(st)])
             queue = rest
         return [out[id(st)] for st in states]
 
@@ -191,16 +186,16 @@ class LlamaCppMember(Member):
             chunk = new[i : i + self.n_batch]
             b = slot.batch.batch
             for j, tok in enumerate(chunk):
-                b.token[j] = tok
-                b.pos[j] = slot.n + j
-                b.seq_id[j][0] = 0
-                b.n_seq_id[j] = 1
-                b.logits[j] = False
+                _put(b, j, tok, slot.n + j, 0)
             b.logits[len(chunk) - 1] = True  # only the last position's logits are needed
             b.n_tokens = len(chunk)
             slot.ctx.decode(slot.batch)
             slot.n += len(chunk)
-        logits = np.ctypeslib.as_array(slot.ctx.get_logits_ith(len(chunk) - 1), shape=(self.n_vocab,))
+        return self._logprobs(slot.ctx, len(chunk) - 1)
+
+    def _logprobs(self, ctx: Any, i: int) -> torch.Tensor:
+        """Log-softmax of the logits llama.cpp kept for batch position ``i``."""
+        logits = np.ctypeslib.as_array(ctx.get_logits_ith(i), shape=(self.n_vocab,))
         return torch.log_softmax(torch.from_numpy(logits.copy()), dim=-1)
 
     def release(self, state: SeqState) -> None:
