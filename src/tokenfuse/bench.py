@@ -1,12 +1,14 @@
 """``tokenfuse bench``: every configuration in one process, interleaved, medians per token.
 
-Rows, for each backend asked for (llama.cpp and transformers by default): each member alone,
-GaC every step (members in threads, the default, and one after another), and GaC thresholded at each ``t``
-with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
+Rows, for each backend asked for (llama.cpp and transformers by default): each member alone; each
+method asked for (``gac,unite`` by default) every step with agreement skip (the default for greedy
+decoding) and without it (``-noskip``); GaC with the members one after another instead of in
+threads; and GaC thresholded at each ``t`` with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
 first. Each round runs every row on every prompt before the next round, so machine drift hits all
 rows alike. ms/token counts decode only: wall time from the first chosen piece (prompt prefill
 done) to the last, divided by the pieces after the first; stages likewise. ``ensembled_share`` is
-over all steps of the generation.
+over all steps of the generation; ``skip_share`` is the share of ensembled steps decided by agreement
+skip.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int) -> dict | No
         return None
     stages = {k: 1000 * (ens.timings[k] - before[k]) / n for k in STAGES}
     stages["other"] = 1000 * wall / n - sum(stages.values())
-    return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, **stages}
+    return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, "skip": s.skipped, **stages}
 
 
 def _rss_mb() -> float:
@@ -104,7 +106,7 @@ def _union_times(members, align: Path) -> dict:
 
 def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max_new_tokens: int = 32,
               repeats: int = 3, thresholds=(0.3, 0.5, 0.7), quick: bool = False, json_path: str | None = None,
-              plot_path: str | None = None) -> dict:
+              plot_path: str | None = None, methods=("gac", "unite")) -> dict:
     from tqdm.auto import tqdm
 
     from tokenfuse.alignment.union import build_union
@@ -137,12 +139,18 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
         for m in members:
             rows.append({"name": f"{backend}:{m.name}", "backend": backend, "ens": Ensemble([m], align_cache=align)})
         if len(members) > 1 and not (quick and backend != backends[0]):
-            rows.append({"name": f"{backend}:gac", "backend": backend, "ens": Ensemble(members, align_cache=align)})
-            rows.append({"name": f"{backend}:gac-sequential", "backend": backend,
-                         "ens": Ensemble(members, parallel=False, align_cache=align)})
+            def add(name: str, **kw) -> None:
+                kw.setdefault("method", cfg.method)
+                kw.setdefault("method_params", cfg.params if kw["method"] == cfg.method else None)
+                rows.append({"name": f"{backend}:{name}", "backend": backend,
+                             "ens": Ensemble(members, align_cache=align, **kw)})
+
+            for method in methods:
+                add(method, method=method)
+                add(f"{method}-noskip", method=method, agreement_skip=False)
+            add("gac-sequential", method="gac", parallel=False)
             for t in thresholds:
-                rows.append({"name": f"{backend}:gac-t{t}", "backend": backend,
-                             "ens": Ensemble(members, gate=members[0].name, threshold=t, align_cache=align)})
+                add(f"gac-t{t}", method="gac", gate=members[0].name, threshold=t)
 
     for r in rows:  # warm-up
         r["ens"].generate(prompts[0], max_new_tokens=4)
@@ -176,6 +184,9 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
             "stage_ms": stage,
             "outside_forward_share": round(outside / max(stage["forward"], 1e-9), 4),
             "ensembled_share": round(sum(x["ens"] for x in s) / max(steps, 1), 4),
+            "skip_share": round(sum(x["skip"] for x in s) / max(sum(x["ens"] for x in s), 1), 4),
+            "method": ens.combiner.name,
+            "agreement_skip": ens.agreement_skip,
             "steps": steps,
             "peak_rss_mb": round(r["rss"], 1),
         })
@@ -194,7 +205,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
 def _print(result: dict) -> None:
     rows = result["rows"]
     singles = {r["name"]: r["ms_per_token"] for r in rows if len(r["members"]) == 1}
-    print(f"\n{'config':48} {'ms/tok':>8} {'p90':>8} {'tok/s':>7} {'fwd':>8} {'outside':>8} {'ens%':>6}  ratio")
+    print(f"\n{'config':48} {'ms/tok':>8} {'p90':>8} {'tok/s':>7} {'fwd':>8} {'outside':>8} {'ens%':>6} {'skip%':>6}  ratio")
     for r in rows:
         b = r["backend"]
         ref = ""
@@ -209,7 +220,7 @@ def _print(result: dict) -> None:
             ref = f"{speedup:.2f}x faster than transformers"
         print(f"{r['name']:48} {r['ms_per_token']:8.2f} {r['ms_per_token_p90']:8.2f} {r['tokens_per_s']:7.2f} "
               f"{r['stage_ms']['forward']:8.2f} {100 * r['outside_forward_share']:7.2f}% "
-              f"{100 * r['ensembled_share']:5.1f}%  {ref}")
+              f"{100 * r['ensembled_share']:5.1f}% {100 * r['skip_share']:5.1f}%  {ref}")
     print("\nloads (s):", json.dumps(result["loads"]))
     print(f"union: {result['union_size']} entries; build (s): {json.dumps(result['union'])}")
     print(f"warm start, process start to first token: {result['warm_start_s']} s; "

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+import yaml
+
 from tokenfuse.errors import TokenfuseError
 
 
@@ -16,7 +18,12 @@ def _ensemble_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="ensemble config YAML (see examples/)")
     src.add_argument("--models", help="comma-separated members: bundled names, local dirs, .gguf files or hub ids "
                                       "(default: the three bundled models)")
-    p.add_argument("--method", help="combiner (default: gac)")
+    p.add_argument("--method", help="combiner: gac (default), unite")
+    p.add_argument("--param", action="append", metavar="KEY=VALUE",
+                   help="combiner parameter, e.g. --param k=5 for unite (repeatable)")
+    p.add_argument("--primary", help="primary member (default: highest score in the config, else the first)")
+    p.add_argument("--agreement-skip", dest="agreement_skip", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip alignment when every member's top piece agrees (default: on for greedy gac/unite)")
     p.add_argument("--gate", help="gate member for thresholded GaC")
     p.add_argument("--threshold", type=float, help="ensemble only when the gate's top probability <= T")
     p.add_argument("--weights", help="comma-separated member weights (with --models)")
@@ -52,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=32)
     b.add_argument("--repeats", type=int, default=3, help="rounds over the prompt set (median reported)")
     b.add_argument("--thresholds", default="0.3,0.5,0.7", help="thresholds for the gated rows")
+    b.add_argument("--methods", default="gac,unite", help="combiners to compare (each with and without agreement skip)")
     b.add_argument("--quick", action="store_true",
                    help="reduced run (two prompts, one round, 16 pieces; members alone for the second backend)")
     b.add_argument("--json", dest="json_path", help="also write the rows to this JSON file")
@@ -90,9 +98,16 @@ def resolve_config(args: argparse.Namespace):
     else:
         cfg = config_from_models(args.models or ",".join(DEFAULT_ENSEMBLE))
     data = cfg.model_dump()
-    for key in ("method", "gate", "threshold"):
+    for key in ("method", "gate", "threshold", "primary", "agreement_skip"):
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
+    if getattr(args, "method", None) is not None and args.method != cfg.method:
+        data["params"] = {}  # another method's parameters do not carry over
+    for item in getattr(args, "param", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise TokenfuseError(f"--param: expected KEY=VALUE, got {item!r}")
+        data["params"][key.strip()] = yaml.safe_load(value)
     if getattr(args, "weights", None):
         try:
             weights = [float(w) for w in args.weights.split(",")]
@@ -146,9 +161,14 @@ def _generate(args: argparse.Namespace) -> int:
         "steps": g.steps,
         "ensembled_steps": g.ensembled_steps,
         "ensembled_share": round(g.ensembled_steps / max(g.steps, 1), 4),
+        "skipped_steps": g.skipped_steps,
+        "skip_share": round(g.skipped_steps / max(g.ensembled_steps, 1), 4),
         "finish_reason": g.finish_reason,
         "members": [{"name": m.name, "weight": m.weight, "load_s": round(m.load_seconds, 3)} for m in ens.members],
         "method": cfg.method,
+        "params": cfg.params,
+        "primary": cfg.primary_name,
+        "agreement_skip": "auto" if ens.agreement_skip is None else ens.agreement_skip,
         "gate": cfg.gate,
         "threshold": cfg.threshold,
         "load_s": round(load_s, 3),
@@ -189,7 +209,8 @@ def _bench(args: argparse.Namespace) -> int:
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     run_bench(cfg, backends=backends, max_new_tokens=args.max_new_tokens,
               repeats=1 if args.quick else args.repeats, thresholds=thresholds, quick=args.quick,
-              json_path=args.json_path, plot_path=args.plot_path)
+              json_path=args.json_path, plot_path=args.plot_path,
+              methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
     return 0
 
 

@@ -38,6 +38,7 @@ class MemberConfig(_Strict):
     n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
     n_threads: int | None = Field(None, ge=1)  # llamacpp: threads (default: all cores)
     multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
+    score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member
 
     @property
     def resolved_source(self) -> str:
@@ -61,6 +62,8 @@ class EnsembleConfig(_Strict):
     members: list[MemberConfig] = Field(min_length=1)
     method: str = "gac"
     params: dict[str, Any] = Field(default_factory=dict)
+    primary: str | None = None  # default: the member with the highest `score`, else the first listed
+    agreement_skip: bool | None = None  # None: on for greedy decoding with gac/unite, off otherwise
     gate: str | None = None
     threshold: float | None = Field(None, ge=0, le=1)
     window: int = Field(8, ge=1, le=256)
@@ -85,11 +88,23 @@ class EnsembleConfig(_Strict):
             raise ValueError(f"members: names must be unique; repeated: {', '.join(sorted(dup))}")
         if self.gate is not None and self.gate not in names:
             raise ValueError(f"gate: {self.gate!r} is not a member name (members: {', '.join(names)})")
+        if self.primary is not None and self.primary not in names:
+            raise ValueError(f"primary: {self.primary!r} is not a member name (members: {', '.join(names)})")
         if self.threshold is not None and self.gate is None:
             raise ValueError("threshold: thresholded GaC needs `gate: <member name>`")
         if all(m.weight == 0 for m in self.members):
             raise ValueError("members: at least one member needs weight > 0")
         return self
+
+    @property
+    def primary_name(self) -> str:
+        """The primary member: ``primary`` if set, else the highest ``score``, else the first member."""
+        if self.primary is not None:
+            return self.primary
+        scored = [m for m in self.members if m.score is not None]
+        if scored:
+            return max(scored, key=lambda m: m.score).name  # max keeps the first of equal scores
+        return self.members[0].name
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(exclude_none=True), sort_keys=False)

@@ -107,5 +107,12 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
         for f in futures:
             f.add_done_callback(lambda _: bar.update(1))
         members = [f.result() for f in futures]
-    return Ensemble(members, method=cfg.method, method_params=cfg.params, gate=cfg.gate, threshold=cfg.threshold,
-                    window=cfg.window, parallel=cfg.parallel, align_cache=root / "alignment")
+    return ensemble_from_members(cfg, members)
+
+
+def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None) -> Ensemble:
+    """The ``Ensemble`` a config describes, on already loaded members (in the config's order)."""
+    return Ensemble(members, method=cfg.method, method_params=cfg.params, primary=cfg.primary_name,
+                    agreement_skip=cfg.agreement_skip, gate=cfg.gate, threshold=cfg.threshold,
+                    window=cfg.window, parallel=cfg.parallel, union=union,
+                    align_cache=cache_dir(cfg.cache_dir) / "alignment")

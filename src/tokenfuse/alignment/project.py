@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tokenfuse.alignment.union import UnionVocab
@@ -28,6 +29,27 @@ class Projector:
             mt[mt < 0] = self.size  # the spare column
             self._dst.append(mt)
         self.blocked = torch.nonzero(torch.from_numpy(~union.representable)).squeeze(1)
+        self.representable = torch.from_numpy(union.representable)
+        self.maps = [torch.from_numpy(m) for m in union.maps]
+        # Entries a member holds under several ids (END ids, duplicate spellings): their mass is the
+        # sum over ``group_ids`` (flat ids), ``group_entry`` names each id's entry.
+        self.group_ids: list[torch.Tensor] = []
+        self.group_entry: list[torch.Tensor] = []
+        self.groups: list[dict[int, list[int]]] = []
+        for m in union.maps:
+            counts = np.bincount(m[m >= 0], minlength=self.size)
+            ids = np.nonzero((m >= 0) & (counts[np.maximum(m, 0)] > 1))[0]
+            self.group_ids.append(torch.from_numpy(ids.astype(np.int64)))
+            self.group_entry.append(torch.from_numpy(m[ids].astype(np.int64)))
+            groups: dict[int, list[int]] = {}
+            for tid in ids.tolist():
+                groups.setdefault(int(m[tid]), []).append(tid)
+            self.groups.append(groups)
+        self.group_slots = []  # (distinct multi-id entries, slot of each flat group id)
+        for ge in self.group_entry:
+            uniq, slot = torch.unique(ge, return_inverse=True)
+            self.group_slots.append((uniq, slot))
+        self.group_slots_np = [(u.numpy(), sl.numpy()) for u, sl in self.group_slots]
 
     def project(self, member: int, logprobs: torch.Tensor) -> torch.Tensor:
         """``float32[B, V_i]`` log-probs -> ``float32[B, U]`` probabilities summing to 1 per row."""
@@ -41,6 +63,37 @@ class Projector:
         out.div_(mass)
         out[:, self.blocked] = 0.0
         return out
+
+    def entry_ids(self, member: int, entry: int) -> list[int]:
+        """All of a member's ids for a union entry (usually one; END and duplicates may have more)."""
+        ids = self.groups[member].get(entry)
+        if ids is not None:
+            return ids
+        tid = int(self.union.inverse[member][entry])
+        return [tid] if tid >= 0 else []
+
+    def top_entries(self, member: int, ids: torch.Tensor, logprobs: torch.Tensor,
+                    group_logprobs: torch.Tensor | None) -> torch.Tensor:
+        """Each row's most likely union entry for a member, or ``-1`` when it is not certain.
+
+        ``ids``/``logprobs`` (``[R]``): the member's most likely *text* id per row and its
+        log-probability; ``group_logprobs`` (``[R, len(group_ids)]``): log-probabilities of the ids of
+        entries the member holds several times. An entry's mass is the sum over its ids, so the top
+        id's entry is the top entry only if no multi-id entry outweighs it; rows where one does, or
+        where the top entry cannot be chosen (not representable), give ``-1``.
+        """
+        entries = self.maps[member][ids]
+        ok = entries >= 0
+        ok &= self.representable[entries.clamp_min(0)]
+        if group_logprobs is not None and group_logprobs.numel():
+            uniq, slot = self.group_slots[member]
+            sums = torch.zeros(group_logprobs.shape[0], len(uniq), dtype=torch.float32)
+            sums.index_add_(1, slot, group_logprobs.exp().float())
+            # the top id's own entry mass: its group's sum when it is a multi-id entry
+            hit = entries[:, None] == uniq[None, :]
+            own = torch.where(hit.any(1), (sums * hit).sum(1), logprobs.exp().float())
+            ok &= own >= sums.max(dim=1).values
+        return torch.where(ok, entries, torch.full_like(entries, -1))
 
     def member_id(self, member: int, union_index: int) -> int:
         """The member's own id for a union entry (``-1`` when it has no single token for it)."""

@@ -12,25 +12,13 @@ averaging; all end-of-sequence / end-of-turn tokens share one END entry.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
-from tokenfuse.combiners.base import Combiner, register
+from tokenfuse.combiners.base import Combiner, Dist, StepView, register, weighted_average
 
 
 @register
 class GaC(Combiner):
     name = "gac"
 
-    def combine(self, probs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-        total = float(sum(weights))
-        if total <= 0:
-            raise ValueError("at least one computed member needs a positive weight")
-        if len(probs) == 1:  # one member: its own (already normalised) distribution
-            return probs[0]
-        out = torch.zeros_like(probs[0])
-        for p, w in zip(probs, weights):
-            if w > 0:
-                out.add_(p, alpha=w / total)
-        return out
+    def combine(self, view: StepView) -> Dist:
+        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
+        return Dist(weighted_average([view.project(i) for i, _ in live], [w for _, w in live]))

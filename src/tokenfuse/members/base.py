@@ -119,6 +119,21 @@ class Member(ABC):
                 st.logprobs, st.logprobs_len, st.n_valid = lp, st.length, st.length
         return torch.stack([st.logprobs for st in states])
 
+    def next_topk(self, states: Sequence[SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely next tokens per state: ``(logprobs float32[B, k], ids int64[B, k])``,
+        most likely first.
+
+        This and ``token_logprobs`` are all a top-k combiner (UniTE) asks of a member, so a member
+        that only exposes top-k log-probabilities (a remote server) can implement just these two.
+        """
+        lp = self.next_logprobs(states)
+        return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+
+    def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the named next-token ``ids`` (``int64[B, n]``) after ``next_topk`` or
+        ``next_logprobs`` ran on the same states; returns ``float32[B, n]``."""
+        return torch.stack([st.logprobs[row.clamp(0, st.logprobs.shape[-1] - 1)] for st, row in zip(states, ids)])
+
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Forward the states that need it; by default one chunked forward each."""
         return [self._forward(st) for st in states]

@@ -1,0 +1,125 @@
+"""UniTE — union top-k ensembling (Yao et al., ICLR 2025, arXiv 2410.03777), §4.2, Algorithm 1.
+
+Each step, per sequence:
+
+1. Candidates: the union of every computed member's top-``k`` tokens, as union entries (exact
+   bytes; a member's end-of-sequence / end-of-turn ids are the one END entry; special tokens are
+   not text and are dropped). Candidates some member could not hold (``representable``) are
+   dropped too. Order: ascending union index, i.e. by bytes — independent of member order.
+2. Alignment: for each candidate and each member, the member's probability of
+   - the candidate itself when the member has those exact bytes as a token (whether or not it is
+     in the member's top-k; a member holding the bytes under several ids gets their sum), else
+   - the first sub-token of the candidate's bytes in the member's own tokenization (UniTE's
+     "James" rule). The bytes are encoded as mid-stream text, exactly as they would follow the
+     output: a leading space stays attached to the word as the member's tokenizer attaches it (no
+     SentencePiece dummy-prefix "▁" piece, no BOS). A lone-space first piece therefore appears only
+     where the member really tokenises that way (e.g. a space before digits in Qwen's
+     pre-tokenizer) — it is the member's honest probability of starting the candidate.
+3. Normalisation: each member's aligned probabilities are renormalised to sum to 1 over the
+   candidates, ``p̂_i(c) = p_i(c) / Σ_c' p_i(c')``. This is what the reference code does (softmax of
+   the raw logits restricted to the union = the same ratio). The paper writes ``softmax(P̂)`` on
+   probabilities; read literally that maps values in ``[0, 1]`` to ``[1, e]`` before normalising and
+   flattens every distribution towards uniform (a member with 0.9 on one candidate and 0.01 on
+   nine others would give it only 0.2), which discards the confidence the average relies on.
+4. Weighted average with the member weights (uniform weights as in the paper), then the engine
+   chooses (greedy by default, or sampling over the candidates).
+
+A member is asked only for its top-``k`` and for the log-probabilities of a few named ids
+(``Member.next_topk`` and ``Member.token_logprobs``), so members that expose nothing else can take
+part.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenfuse.alignment.union import END
+from tokenfuse.combiners.base import Combiner, Dist, StepView, register
+from tokenfuse.errors import AlignmentError
+
+
+@register
+class UniTE(Combiner):
+    name = "unite"
+    needs = "topk"
+
+    def __init__(self, k: int = 10) -> None:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        self.k = k
+        self._first: list[dict[int, int]] = []
+
+    def describe(self) -> dict:
+        return {"method": self.name, "k": self.k}
+
+    def bind(self, ens) -> None:
+        self.ens = ens
+        self.proj = ens.projector
+        self.union = ens.union
+        self._first = [{} for _ in ens.members]
+        self._ids: list[dict[int, list[int]]] = [{} for _ in ens.members]
+
+    # ------------------------------------------------------------------ alignment
+    def aligned_entry(self, member: int, entry: int) -> int:
+        """The union entry whose mass stands for ``entry`` in ``member``: the entry itself when the
+        member has those bytes as a token, else the entry of its first sub-token (``-1``: none)."""
+        if entry == END or self.union.inverse[member][entry] >= 0 or entry in self.proj.groups[member]:
+            return entry
+        cache = self._first[member]
+        if entry not in cache:
+            codec = self.ens.members[member].codec
+            try:
+                ids = codec.encode_bytes(self.union.pieces[entry])
+            except AlignmentError:
+                ids = []
+            cache[entry] = int(self.union.maps[member][ids[0]]) if ids else -1
+        return cache[entry]
+
+    def candidates(self, view: StepView) -> list[list[int]]:
+        """Each row's candidate union entries (sorted)."""
+        rows: list[set[int]] = [set() for _ in range(view.rows)]
+        rep = self.union.representable
+        for i in view.members:
+            entries = self.proj.maps[i][view.topk[i][1]]
+            for r, row in enumerate(entries.tolist()):
+                rows[r].update(e for e in row if e >= 0 and rep[e])
+        return [sorted(c) for c in rows]
+
+    def query_ids(self, member: int, entry: int) -> list[int]:
+        """The member ids whose summed probability is the member's aligned probability of ``entry``."""
+        cache = self._ids[member]
+        ids = cache.get(entry)
+        if ids is None:
+            a = self.aligned_entry(member, entry)
+            ids = cache[entry] = self.proj.entry_ids(member, a) if a >= 0 else []
+        return ids
+
+    def member_probs(self, view: StepView, i: int, cands: list[list[int]]) -> np.ndarray:
+        """Member ``i``'s aligned, renormalised probabilities ``float64[R, C]`` (C = longest row)."""
+        width = max(len(c) for c in cands)
+        queries = [[(col, tid) for col, e in enumerate(row) for tid in self.query_ids(i, e)] for row in cands]
+        n = max(1, max(len(q) for q in queries))
+        ids = np.zeros((len(cands), n), dtype=np.int64)
+        cols = np.full((len(cands), n), width, dtype=np.int64)  # padding goes to a spare column
+        for r, q in enumerate(queries):
+            if q:
+                cols[r, : len(q)], ids[r, : len(q)] = zip(*q)
+        p = np.exp(view.token_logprobs(i, torch.from_numpy(ids)).numpy().astype(np.float64))
+        out = np.stack([np.bincount(c, weights=w, minlength=width + 1)[:width] for c, w in zip(cols, p)])
+        return out / np.maximum(out.sum(-1, keepdims=True), 1e-300)
+
+    def combine(self, view: StepView) -> Dist:
+        cands = self.candidates(view)
+        if any(not c for c in cands):
+            raise AlignmentError("unite: a sequence has no text candidate in any member's top-k (raise k)")
+        width = max(len(c) for c in cands)
+        index = torch.zeros(len(cands), width, dtype=torch.int64)
+        for r, c in enumerate(cands):
+            index[r, : len(c)] = torch.tensor(c)
+        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
+        total = sum(w for _, w in live)
+        probs = np.zeros((len(cands), width))
+        for i, w in live:
+            probs += (w / total) * self.member_probs(view, i, cands)
+        return Dist(torch.from_numpy(probs.astype(np.float32)), index)
