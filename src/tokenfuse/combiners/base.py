@@ -132,5 +132,5 @@ def get_combiner(name: str, **params) -> Combiner:
         )
     try:
         return REGISTRY[name](**params)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"params: {name}: {err}") from None
