@@ -98,3 +98,43 @@ class Projector:
     def member_id(self, member: int, union_index: int) -> int:
         """The member's own id for a union entry (``-1`` when it has no single token for it)."""
         return int(self.union.inverse[member][union_index])
+
+
+class SubtokenAligner:
+    """UniTE's alignment of a union entry to a member that may not have it as one token.
+
+    ``aligned_entry(i, e)`` is ``e`` itself when member ``i`` has those exact bytes as a token, else
+    the entry of the first sub-token of ``e``'s bytes in the member's own mid-stream tokenization
+    (the leading space stays on the word as the member's tokenizer attaches it: no dummy-prefix
+    piece, no BOS). ``query_ids(i, e)`` are the member ids whose summed probability is the member's
+    aligned probability of ``e``. Both are cached per member.
+    """
+
+    def __init__(self, projector: Projector, codecs) -> None:
+        self.proj = projector
+        self.codecs = list(codecs)
+        self._first: list[dict[int, int]] = [{} for _ in self.codecs]
+        self._ids: list[dict[int, list[int]]] = [{} for _ in self.codecs]
+
+    def aligned_entry(self, member: int, entry: int) -> int:
+        union = self.proj.union
+        if entry == 0 or union.inverse[member][entry] >= 0 or entry in self.proj.groups[member]:
+            return entry
+        cache = self._first[member]
+        if entry not in cache:
+            from tokenfuse.errors import AlignmentError
+
+            try:
+                ids = self.codecs[member].encode_bytes(union.pieces[entry])
+            except AlignmentError:
+                ids = []
+            cache[entry] = int(union.maps[member][ids[0]]) if ids else -1
+        return cache[entry]
+
+    def query_ids(self, member: int, entry: int) -> list[int]:
+        cache = self._ids[member]
+        ids = cache.get(entry)
+        if ids is None:
+            a = self.aligned_entry(member, entry)
+            ids = cache[entry] = self.proj.entry_ids(member, a) if a >= 0 else []
+        return ids

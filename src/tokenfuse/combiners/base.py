@@ -96,6 +96,27 @@ class Combiner(ABC):
     def combine(self, view: StepView) -> Dist:
         """The combined distribution for every row of ``view``."""
 
+    def piece_probs(self, view: StepView, entries: Sequence[int]) -> torch.Tensor:
+        """Probability of a *given* union entry per row (teacher forcing, likelihood scoring).
+
+        Default, for full-distribution combiners: the weighted average of each member's aligned
+        probability of the entry (its own mass on those bytes, or on the first sub-token of them
+        when it has no such token, as in UniTE), each member normalised over its text + END ids.
+        """
+        ens = view.ens
+        out = torch.zeros(view.rows, dtype=torch.float64)
+        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
+        total = sum(w for _, w in live)
+        for i, w in live:
+            lp = view.logprobs[i]
+            text = ens.projector.maps[i][: lp.shape[-1]] >= 0
+            norm = torch.where(text, lp, torch.full_like(lp, float("-inf"))).logsumexp(-1)
+            for r, e in enumerate(entries):
+                ids = ens.aligner.query_ids(i, e)
+                if ids:
+                    out[r] += w / total * float((lp[r, ids] - norm[r]).exp().sum())
+        return out
+
     def describe(self) -> dict[str, Any]:
         return {"method": self.name}
 

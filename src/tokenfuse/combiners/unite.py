@@ -34,7 +34,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, StepView, register
 from tokenfuse.errors import AlignmentError
 
@@ -48,7 +47,6 @@ class UniTE(Combiner):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
         self.k = k
-        self._first: list[dict[int, int]] = []
 
     def describe(self) -> dict:
         return {"method": self.name, "k": self.k}
@@ -57,25 +55,9 @@ class UniTE(Combiner):
         self.ens = ens
         self.proj = ens.projector
         self.union = ens.union
-        self._first = [{} for _ in ens.members]
-        self._ids: list[dict[int, list[int]]] = [{} for _ in ens.members]
+        self.aligner = ens.aligner
 
     # ------------------------------------------------------------------ alignment
-    def aligned_entry(self, member: int, entry: int) -> int:
-        """The union entry whose mass stands for ``entry`` in ``member``: the entry itself when the
-        member has those bytes as a token, else the entry of its first sub-token (``-1``: none)."""
-        if entry == END or self.union.inverse[member][entry] >= 0 or entry in self.proj.groups[member]:
-            return entry
-        cache = self._first[member]
-        if entry not in cache:
-            codec = self.ens.members[member].codec
-            try:
-                ids = codec.encode_bytes(self.union.pieces[entry])
-            except AlignmentError:
-                ids = []
-            cache[entry] = int(self.union.maps[member][ids[0]]) if ids else -1
-        return cache[entry]
-
     def candidates(self, view: StepView) -> list[list[int]]:
         """Each row's candidate union entries (sorted)."""
         rows: list[set[int]] = [set() for _ in range(view.rows)]
@@ -86,19 +68,10 @@ class UniTE(Combiner):
                 rows[r].update(e for e in row if e >= 0 and rep[e])
         return [sorted(c) for c in rows]
 
-    def query_ids(self, member: int, entry: int) -> list[int]:
-        """The member ids whose summed probability is the member's aligned probability of ``entry``."""
-        cache = self._ids[member]
-        ids = cache.get(entry)
-        if ids is None:
-            a = self.aligned_entry(member, entry)
-            ids = cache[entry] = self.proj.entry_ids(member, a) if a >= 0 else []
-        return ids
-
     def member_probs(self, view: StepView, i: int, cands: list[list[int]]) -> np.ndarray:
         """Member ``i``'s aligned, renormalised probabilities ``float64[R, C]`` (C = longest row)."""
         width = max(len(c) for c in cands)
-        queries = [[(col, tid) for col, e in enumerate(row) for tid in self.query_ids(i, e)] for row in cands]
+        queries = [[(col, tid) for col, e in enumerate(row) for tid in self.aligner.query_ids(i, e)] for row in cands]
         n = max(1, max(len(q) for q in queries))
         ids = np.zeros((len(cands), n), dtype=np.int64)
         cols = np.full((len(cands), n), width, dtype=np.int64)  # padding goes to a spare column
@@ -123,3 +96,14 @@ class UniTE(Combiner):
         for i, w in live:
             probs += (w / total) * self.member_probs(view, i, cands)
         return Dist(torch.from_numpy(probs.astype(np.float32)), index)
+
+    def piece_probs(self, view: StepView, entries) -> torch.Tensor:
+        """A given entry's probability: it joins each row's candidates, then as in ``combine``."""
+        cands = [sorted(set(c) | {e}) for c, e in zip(self.candidates(view), entries)]
+        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
+        total = sum(w for _, w in live)
+        out = np.zeros(len(cands))
+        for i, w in live:
+            p = self.member_probs(view, i, cands)
+            out += (w / total) * np.array([p[r, c.index(e)] for r, (c, e) in enumerate(zip(cands, entries))])
+        return torch.from_numpy(out)

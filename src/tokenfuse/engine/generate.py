@@ -8,6 +8,7 @@ shared between members.
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenfuse.alignment.project import Projector
+from tokenfuse.alignment.project import Projector, SubtokenAligner
 from tokenfuse.alignment.union import END, UnionVocab, build_union
 from tokenfuse.combiners import get_combiner
 from tokenfuse.combiners.base import Dist, StepView
@@ -64,6 +65,20 @@ class Generation:
     member_ids: dict[str, list[int]]
     timings: dict[str, float] = field(default_factory=dict)
     skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class Likelihood:
+    """``logprob``: natural-log likelihood of a continuation; ``pieces``/``bytes``: its length (for
+    per-piece or per-byte normalisation)."""
+
+    logprob: float
+    pieces: int
+    bytes: int
+
+    @property
+    def per_byte(self) -> float:
+        return self.logprob / max(self.bytes, 1)
 
 
 @dataclass
@@ -145,6 +160,7 @@ class Ensemble:
         self._pool = ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="member") if parallel else None
         self.union = union or build_union([m.codec for m in members], cache=align_cache)
         self.projector = Projector(self.union)
+        self.aligner = SubtokenAligner(self.projector, [m.codec for m in self.members])
         self.timings = dict.fromkeys(STAGES, 0.0)
         self.combiner.bind(self)
 
@@ -259,6 +275,52 @@ class Ensemble:
             out_piece = piece if s.finished != "stop" else bytes(s.output[before:])
             events.append(StepEvent(s.index, out_piece, ens, s.finished, skipped and ens))
         return events
+
+    # ------------------------------------------------------------------ likelihood
+    def loglikelihood(self, requests: Sequence[tuple[Prompt, str]], *, chat: bool = False) -> list[Likelihood]:
+        """Log-likelihood of each ``(context, continuation)`` under the token-level ensemble.
+
+        Definition: the continuation's bytes are cut into pieces by the primary member's own
+        mid-stream tokenization. Piece by piece, every weighted member runs on the context plus the
+        pieces so far (the same lockstep engine and re-sync as generation), and the piece's
+        probability is the combiner's probability of that union entry (``Combiner.piece_probs``:
+        for GaC the weighted average of the members' probabilities, a member without the piece as
+        one token contributing its first sub-token's probability as in UniTE; for UniTE the piece
+        joins the top-k candidates). The result is the sum of the pieces' log-probabilities; a
+        member alone (or copies of one member) gives exactly that member's own likelihood of its
+        tokens, each renormalised over its text + END ids.
+        """
+        seqs = [self.open(ctx, chat=chat, index=k) for k, (ctx, _) in enumerate(requests)]
+        primary = self.members[self.primary]
+        cuts = []
+        for _, cont in requests:
+            ids = primary.codec.encode_text(cont)
+            cuts.append([int(self.union.maps[self.primary][t]) for t in ids])
+        totals = [0.0] * len(seqs)
+        run = [i for i, m in enumerate(self.members) if m.weight > 0]
+        try:
+            for j in range(max((len(c) for c in cuts), default=0)):
+                rows = [k for k in range(len(seqs)) if j < len(cuts[k])]
+                active = [seqs[k] for k in rows]
+                outs = self._forward_many(run, active)
+                view = StepView(ens=self, states={i: [s.states[i] for s in active] for i in run}, members=run,
+                                weights=[self.members[i].weight for i in run])
+                for i in run:
+                    (view.topk if self.combiner.needs == "topk" else view.logprobs)[i] = outs[i]
+                entries = [cuts[k][j] for k in rows]
+                t = time.perf_counter()
+                probs = self.combiner.piece_probs(view, entries).tolist()
+                self.timings["combine"] += time.perf_counter() - t
+                for k, s, u, p in zip(rows, active, entries, probs):
+                    totals[k] += math.log(p) if p > 0 else float("-inf")
+                    before = len(s.output)
+                    s.output += self.union.pieces[u]
+                    s.steps += 1
+                    self._resync(s, u, before)
+        finally:
+            for s in seqs:
+                self.close(s)
+        return [Likelihood(lp, len(c), len(cont.encode("utf-8"))) for lp, c, (_, cont) in zip(totals, cuts, requests)]
 
     # ------------------------------------------------------------------ stages
     def _decide(self, active: list[Seq]) -> list[tuple[int, bool, bool]]:

@@ -1,0 +1,67 @@
+"""Likelihood of a given continuation under the token-level ensemble (teacher forcing)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenfuse import Ensemble
+
+CONTEXT = "Question: Which city is the capital of France?\nAnswer:"
+CONTS = [" Paris", " Lyon, the city of lights", " 東京"]
+
+
+def direct(member, context: str, continuation: str) -> float:
+    """The member's own log-likelihood of its tokens of ``continuation``, each step renormalised
+    over its text + END ids (what the engine's projection does), computed by one plain forward. A
+    piece the vocabulary spells with several ids (Gemma has a few) counts with all of them."""
+    ctx = member.encode_prompt(context)
+    cont = member.codec.encode_text(continuation)
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logits = member.model(ids).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    text = torch.tensor([b is not None for b in member.codec.token_bytes] + [False] * (lp.shape[-1] - len(member.codec.token_bytes)))
+    text[sorted(member.codec.end_ids)] = True
+    total = 0.0
+    for j, t in enumerate(cont):
+        row = lp[len(ctx) + j - 1]
+        same = [i for i, b in enumerate(member.codec.token_bytes) if b == member.codec.token_bytes[t]]
+        total += float(row[same].logsumexp(-1) - row[text].logsumexp(-1))
+    return total
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
+def test_single_member_likelihood_is_its_own(make_tiny, one_thread, family):
+    m = make_tiny(family, seed=5)
+    got = Ensemble([m]).loglikelihood([(CONTEXT, c) for c in CONTS])
+    for c, g in zip(CONTS, got):
+        assert g.logprob == pytest.approx(direct(m, CONTEXT, c), abs=1e-4)
+        assert g.pieces == len(m.codec.encode_text(c))
+        assert g.bytes == len(c.encode())
+
+
+@pytest.mark.parametrize("method", ["gac", "unite"])
+def test_self_ensemble_gives_the_single_models_likelihood(make_tiny, one_thread, method):
+    a, b = make_tiny("gemma3", seed=5, name="a"), make_tiny("gemma3", seed=5, name="b")
+    alone = Ensemble([a]).loglikelihood([(CONTEXT, c) for c in CONTS])
+    both = Ensemble([a, b], method=method, method_params={"k": 5} if method == "unite" else None)
+    pair = both.loglikelihood([(CONTEXT, c) for c in CONTS])
+    for x, y in zip(alone, pair):
+        if method == "gac":
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+        else:  # UniTE renormalises over top-k + the piece: never below the full-vocabulary value
+            assert y.logprob >= x.logprob - 1e-6
+
+
+def test_mixed_ensemble_likelihood_is_finite_and_batch_independent(make_tiny, one_thread):
+    ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2), make_tiny("qwen", seed=3)]
+    ens = Ensemble(ms, primary=ms[1].name)
+    batch = ens.loglikelihood([(CONTEXT, c) for c in CONTS])
+    one = [ens.loglikelihood([(CONTEXT, c)])[0] for c in CONTS]
+    assert [x.logprob for x in batch] == pytest.approx([x.logprob for x in one], abs=1e-5)
+    assert all(math.isfinite(x.logprob) and x.logprob < 0 for x in batch)
+    # pieces follow the primary member's tokenization
+    assert [x.pieces for x in batch] == [len(ms[1].codec.encode_text(c)) for c in CONTS]
