@@ -66,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", dest="plot_path", help="draw the rows to this image (needs matplotlib)")
     b.add_argument("--backends", default="llamacpp,transformers",
                    help="backends to compare, in one run (default: llamacpp,transformers)")
+
+    s = sub.add_parser("serve", help="serve the ensemble over an OpenAI-compatible HTTP API (extra: server)")
+    _ensemble_args(s)
+    _decoding_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("TOKENFUSE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $TOKENFUSE_API_KEY, else no key)")
+    s.add_argument("--model-name", default="tokenfuse", help="the model id clients send (default tokenfuse)")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    s.add_argument("--max-batch", type=int, default=16, help="sequences stepped together at most")
+    s.add_argument("--truncate", action="store_true",
+                   help="left-truncate prompts that do not fit the smallest member context (default: 400)")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
 
@@ -80,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 2
     try:
-        return {"generate": _generate, "models": _models, "bench": _bench}[args.command](args)
+        return {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve}[args.command](args)
     except TokenfuseError as err:
         print(f"tokenfuse: error: {err}", file=sys.stderr)
         return 2
@@ -211,6 +225,26 @@ def _bench(args: argparse.Namespace) -> int:
               repeats=1 if args.quick else args.repeats, thresholds=thresholds, quick=args.quick,
               json_path=args.json_path, plot_path=args.plot_path,
               methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise TokenfuseError('serve needs the server extra: pip install "tokenfuse[server]"')
+    from tokenfuse.load import load_ensemble
+    from tokenfuse.server import ServerSettings, serve
+
+    cfg = resolve_config(args)
+    _quiet_env()
+    ens = load_ensemble(cfg, progress=not args.quiet)
+    settings = ServerSettings(model_name=args.model_name, api_key=args.api_key or None,
+                              max_tokens=args.max_tokens_limit, max_batch=args.max_batch,
+                              truncate_prompt=args.truncate, on_member_failure=cfg.on_member_failure)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        print(f"tokenfuse: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    serve(ens, config=cfg, settings=settings, host=args.host, port=args.port)
     return 0
 
 

@@ -30,7 +30,7 @@ class MemberConfig(_Strict):
     name: str = Field(min_length=1)
     source: str | None = None
     gguf_file: str | None = None
-    backend: Literal["auto", "transformers", "llamacpp"] = "auto"
+    backend: Literal["auto", "transformers", "llamacpp", "openai"] = "auto"
     weight: float = Field(1.0, ge=0)
     device: str = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -39,6 +39,32 @@ class MemberConfig(_Strict):
     n_threads: int | None = Field(None, ge=1)  # llamacpp: threads (default: all cores)
     multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
     score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member
+    # backend openai: a model behind an OpenAI-compatible server (docs/serving.md)
+    base_url: str | None = None  # e.g. http://127.0.0.1:8080/v1
+    model: str | None = None  # the server's model id (default: the member's name)
+    api_key: str | None = None  # sent as `Authorization: Bearer ...`; or `api_key_env`
+    api_key_env: str | None = None  # name of an environment variable holding the key
+    tokenizer: str | None = None  # local tokenizer for byte alignment: bundled name or tokenizer.json dir (default: source)
+    top_k: int = Field(20, ge=1, le=1000)  # openai: next-token log-probabilities asked per step
+    timeout: float = Field(30.0, gt=0)  # openai: seconds per HTTP request
+    retries: int = Field(2, ge=0, le=10)  # openai: retries after a failed request (with backoff)
+    prompt_format: Literal["auto", "ids", "text"] = "auto"  # openai: token ids where the server accepts them
+    topk_fill: Literal["error", "uniform"] = "error"  # openai: for full-distribution methods (gac), see docs
+    # placement: ray — the resources of this member's actor
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _remote_fields(self) -> MemberConfig:
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("base_url: backend openai needs the server's URL, e.g. http://127.0.0.1:8080/v1")
+        if self.backend != "openai":
+            for f in ("base_url", "model", "api_key", "api_key_env"):
+                if getattr(self, f) is not None:
+                    raise ValueError(f"{f}: only for `backend: openai` (this member's backend is {self.backend})")
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url: expected an http:// or https:// URL, got {self.base_url!r}")
+        return self
 
     @property
     def resolved_source(self) -> str:
@@ -70,6 +96,10 @@ class EnsembleConfig(_Strict):
     parallel: bool = True  # forward members in threads (measured faster on a 2-core CPU; see README)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     cache_dir: str | None = None
+    placement: Literal["local", "ray"] = "local"  # ray: each member in a Ray actor (extra tokenfuse[ray])
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # Ray placement group
+    ray_address: str | None = None  # ray.init(address=...) when Ray is not initialised yet (None: local)
+    on_member_failure: Literal["error", "skip"] = "error"  # skip: a failed remote/Ray member is left out
 
     @field_validator("method")
     @classmethod
@@ -94,6 +124,15 @@ class EnsembleConfig(_Strict):
             raise ValueError("threshold: thresholded GaC needs `gate: <member name>`")
         if all(m.weight == 0 for m in self.members):
             raise ValueError("members: at least one member needs weight > 0")
+        from tokenfuse.combiners import REGISTRY
+
+        if getattr(REGISTRY.get(self.method), "needs", "full") == "full":
+            for i, m in enumerate(self.members):
+                if m.backend == "openai" and m.topk_fill == "error":
+                    raise ValueError(
+                        f"members.{i}.backend: {m.name!r} is served over the OpenAI API, which gives only top-k "
+                        f"log-probabilities, but method {self.method!r} needs full distributions; use "
+                        "`method: unite`, or set `topk_fill: uniform` on the member (docs/serving.md)")
         return self
 
     @property

@@ -1,0 +1,152 @@
+"""Request schemas of the OpenAI-compatible API.
+
+Sampling fields are defined once (``_Common``) and shared by completion and chat requests.
+Fields a client leaves out take the ensemble config's ``decoding`` values. Fields of the OpenAI
+API that an ensemble cannot honour are accepted at their neutral value and refused otherwise with
+a 400 that names them (never silently ignored). Unknown fields are ignored, as most
+OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenfuseOptions(_Strict):
+    """Per-request ensemble options (the request's ``"tokenfuse"`` field).
+
+    Any of the config's ensemble fields: ``method`` (``gac``, ``unite``, ...), ``params`` (the
+    method's parameters, e.g. ``{"k": 5}``), ``gate`` + ``threshold`` (thresholded GaC),
+    ``primary``, ``agreement_skip``, and ``weights`` (a list in member order, or
+    ``{"member name": weight}``). Members stay loaded once; each distinct option set gets its own
+    light ``Ensemble`` on them.
+    """
+
+    method: str | None = None
+    params: dict[str, Any] | None = None
+    gate: str | None = None
+    threshold: float | None = Field(None, ge=0, le=1)
+    primary: str | None = None
+    agreement_skip: bool | None = None
+    weights: list[float] | dict[str, float] | None = None
+
+    def as_options(self) -> dict | None:
+        d = self.model_dump(exclude_none=True)
+        return d or None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM extra; -1 or 0 = off
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    tokenfuse: TokenfuseOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return [s for s in stops if s]
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for each field set to a value this server cannot honour."""
+        out = []
+        if self.presence_penalty:
+            out.append(("presence_penalty", "penalties are not supported by the ensemble"))
+        if self.frequency_penalty:
+            out.append(("frequency_penalty", "penalties are not supported by the ensemble"))
+        if self.logit_bias:
+            out.append(("logit_bias", "members have different vocabularies; logit_bias is not supported"))
+        if self.min_p:
+            out.append(("min_p", "min_p is not supported; use top_p or top_k"))
+        return out
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs:
+            out.append(("logprobs", "log-probabilities of the combined distribution are not returned"))
+        if self.best_of not in (None, 1, self.n):
+            out.append(("best_of", "best_of must equal n"))
+        if self.suffix:
+            out.append(("suffix", "suffix (fill-in-the-middle) is not supported"))
+        return out
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.type != "text" or p.text is None:
+                raise ValueError(f"content part of type {p.type!r}: only text parts are supported")
+            parts.append(p.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "log-probabilities of the combined distribution are not returned"))
+        if self.tools:
+            out.append(("tools", "tool calling is not supported"))
+        if self.tool_choice not in (None, "none", "auto"):
+            out.append(("tool_choice", "tool calling is not supported"))
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+        return out
