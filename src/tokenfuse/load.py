@@ -31,6 +31,8 @@ def resolve_backend(cfg: MemberConfig) -> str:
 
 def check_source(cfg: MemberConfig, index: int = 0) -> None:
     """Fail fast, before any model is loaded, on a source that cannot be a model."""
+    if cfg.backend == "openai":  # served elsewhere; its tokenizer is checked when it loads
+        return
     source = cfg.resolved_source
     if source not in BUNDLED and not Path(source).expanduser().exists() and "/" not in source:
         hint = get_close_matches(source, BUNDLED, n=1)
@@ -46,6 +48,10 @@ def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool =
     source = cfg.resolved_source
     backend = resolve_backend(cfg)
     check_source(cfg, index)
+    if backend == "openai":
+        from tokenfuse.members.remote import load_remote_member
+
+        return load_remote_member(cfg, root=root, progress=progress)
     if backend == "llamacpp":
         from tokenfuse.members.llamacpp import load_llamacpp_member
 
@@ -96,6 +102,10 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
     root = cache_dir(cfg.cache_dir)
     for i, m in enumerate(cfg.members):
         check_source(m, i)
+    if cfg.placement == "ray":
+        from tokenfuse.placement.ray import load_ray_members
+
+        return ensemble_from_members(cfg, load_ray_members(cfg, root=root, progress=progress))
     if any(_needs_transformers(m, root) for m in cfg.members):
         # transformers resolves its classes lazily on first import; doing that in several loader
         # threads at once can fail, so do it here, once, first.
