@@ -1,0 +1,198 @@
+"""Ray placement (``placement: ray``, extra ``tokenfuse[ray]``): each member in its own Ray actor.
+
+The driver keeps what the engine needs locally (each member's tokenizer and byte codec, every
+sequence's ids) and runs alignment, combination and re-sync; an actor holds one loaded model and
+its sequences' caches. Per step the driver sends each actor only the ids its cache does not hold
+yet, and the actor answers with only what the combiner asks for: the top-k (``logprobs``, ``ids``)
+for top-k methods (UniTE), plus the log-probabilities of the few ids the combiner names; or the
+member's distribution over its own vocabulary for full-distribution methods (GaC). (That vector is
+``V_i`` floats, smaller than the union the driver maps it into, so the mapping stays on the driver.)
+
+Actors are placed with a placement group, one bundle per member with its ``num_cpus`` /
+``num_gpus``, ``PACK`` (as few nodes as possible) or ``SPREAD`` (one member per node where it
+can). ``ray.init`` is called only by ``load_ray_members`` and only when Ray is not initialised:
+start Ray (or connect to a cluster) yourself first to choose its options.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenfuse.errors import ModelNotInstalledError
+from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.remote import MemberUnavailableError
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as err:
+        raise ModelNotInstalledError('placement: ray needs Ray: pip install "tokenfuse[ray]"') from err
+    return ray
+
+
+class MemberActor:
+    """The actor side: one member and its sequences, keyed by the driver's sequence keys."""
+
+    def __init__(self, factory: Callable[[], Member], num_threads: int | None = None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.member = factory()
+        self.states: dict[int, SeqState] = {}
+
+    def info(self) -> dict:
+        from tokenfuse.server.scheduler import context_length
+
+        m = self.member
+        return {"name": m.name, "weight": m.weight, "codec": m.codec, "tokenizer": m.tokenizer,
+                "context_length": context_length(m), "load_seconds": m.load_seconds}
+
+    def _sync(self, updates: list[tuple[int, list[int] | None, int, list[int]]]) -> list[SeqState]:
+        """Bring each sequence's ids up to the driver's: keep the first ``n_valid``, append the tail."""
+        states = []
+        for key, prompt, n_valid, tail in updates:
+            st = self.states.get(key)
+            if st is None:
+                st = self.states[key] = self.member.new_state(prompt)
+            ids = st.all_ids()[:n_valid] + tail
+            st.ids = ids[len(st.prompt_ids):]
+            st.n_valid = min(st.n_valid, n_valid)
+            states.append(st)
+        return states
+
+    def topk(self, updates, k: int) -> tuple[np.ndarray, np.ndarray]:
+        lp, ids = self.member.next_topk(self._sync(updates), k)
+        return lp.numpy(), ids.numpy()
+
+    def logprobs(self, updates) -> np.ndarray:
+        return self.member.next_logprobs(self._sync(updates)).numpy()
+
+    def token_logprobs(self, keys: list[int], ids: np.ndarray) -> np.ndarray:
+        states = [self.states[k] for k in keys]
+        return self.member.token_logprobs(states, torch.from_numpy(ids)).numpy()
+
+    def release(self, keys: list[int]) -> None:
+        for k in keys:
+            st = self.states.pop(k, None)
+            if st is not None:
+                self.member.release(st)
+
+
+@functools.cache
+def _actor_class():
+    return import_ray().remote(MemberActor)
+
+
+class RayMember(Member):
+    """The driver side of a member that runs in a Ray actor (same contract as a local member)."""
+
+    def __init__(self, actor: Any, info: dict) -> None:
+        self.actor = actor
+        self.name = info["name"]
+        self.weight = float(info["weight"])
+        self.codec = info["codec"]
+        self.tokenizer = info["tokenizer"]
+        self.context_length = info["context_length"]
+        self.load_seconds = info["load_seconds"]
+        self._keys = itertools.count()
+
+    def _updates(self, states: Sequence[SeqState]) -> list:
+        out = []
+        for st in states:
+            first = st.cache is None
+            if first:
+                st.cache, st.n_valid = next(self._keys), 0
+            out.append((st.cache, st.prompt_ids if first else None, st.n_valid, st.all_ids()[st.n_valid:]))
+        return out
+
+    def _call(self, method: str, *args):
+        ray = import_ray()
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            raise MemberUnavailableError(self.name, f"its Ray actor failed: {type(err).__name__}") from None
+
+    def _done(self, states: Sequence[SeqState]) -> None:
+        for st in states:
+            st.n_valid = st.logprobs_len = st.length
+
+    def next_topk(self, states: Sequence[SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ids = self._call("topk", self._updates(states), k)
+        self._done(states)
+        return _tensor(lp), _tensor(ids)
+
+    def next_logprobs(self, states: Sequence[SeqState]) -> torch.Tensor:
+        out = _tensor(self._call("logprobs", self._updates(states)))
+        for st, row in zip(states, out):
+            st.logprobs = row  # kept for tie-breaks and token_logprobs, as a local member does
+        self._done(states)
+        return out
+
+    def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
+        if all(st.logprobs is not None and st.logprobs_len == st.length for st in states):
+            return super().token_logprobs(states, ids)
+        return _tensor(self._call("token_logprobs", [st.cache for st in states], ids.numpy()))
+
+    def _forward(self, state: SeqState) -> torch.Tensor:  # not used: next_* are overridden
+        return self.next_logprobs([state])[0]
+
+    def release(self, state: SeqState) -> None:
+        if state.cache is not None:
+            self.actor.release.remote([state.cache])  # fire and forget
+        state.cache = None
+        state.logprobs = None
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor of an array Ray handed over (read-only views of its object store are copied)."""
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+def place_members(factories: Sequence[Callable[[], Member]], *, num_cpus: Sequence[float],
+                  num_gpus: Sequence[float], strategy: str = "PACK", timeout: float = 600.0) -> list[RayMember]:
+    """Start one actor per member factory inside one placement group; Ray must be initialised.
+
+    ``factories`` are called inside the actors (they are pickled: use module-level functions or
+    ``functools.partial``), so the driver never loads the weights.
+    """
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundles = [{"CPU": c, **({"GPU": g} if g else {})} for c, g in zip(num_cpus, num_gpus)]
+    pg = placement_group(bundles, strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    if not ready:
+        raise MemberUnavailableError("placement", f"Ray could not reserve {bundles} ({strategy}) within "
+                                                  f"{timeout:.0f} s; cluster resources: {ray.cluster_resources()}")
+    cls = _actor_class()
+    actors = [
+        cls.options(num_cpus=c, num_gpus=g, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=i)).remote(f, max(1, int(c)))
+        for i, (f, c, g) in enumerate(zip(factories, num_cpus, num_gpus))
+    ]
+    infos = ray.get([a.info.remote() for a in actors])
+    members = [RayMember(a, info) for a, info in zip(actors, infos)]
+    for m in members:
+        m.placement_group = pg
+    return members
+
+
+def load_ray_members(cfg, *, root: Path, progress: bool = True) -> list[RayMember]:
+    """The members of ``cfg`` as Ray actors (``placement: ray``); starts Ray if it is not running."""
+    from tokenfuse.load import load_member
+
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=progress)
+    factories = [functools.partial(load_member, m, root=root, progress=False, index=i)
+                 for i, m in enumerate(cfg.members)]
+    return place_members(factories, num_cpus=[m.num_cpus for m in cfg.members],
+                         num_gpus=[m.num_gpus for m in cfg.members], strategy=cfg.placement_strategy)
