@@ -230,3 +230,27 @@ def test_agreement_skip_changes_no_greedy_output_on_real_members(llamacpp_member
     steps = sum(g.ensembled_steps for g in runs[True])
     assert 0 < skipped < steps  # the test covers both paths
     assert sum(g.skipped_steps for g in runs[False]) == 0
+
+
+# ---------------------------------------------------------------- DeePEn through the engine
+def test_deepen_self_ensemble_keeps_the_members_greedy_choice(make_tiny, one_thread, tmp_path):
+    a, b = make_tiny("qwen", seed=4, name="a"), make_tiny("qwen", seed=4, name="b")
+    alone = Ensemble([a]).generate("The weather today", max_new_tokens=6)
+    ens = Ensemble([a, b], method="deepen", align_cache=tmp_path)
+    assert ens.agreement_skip is None and not ens.combiner.exact_agreement
+    both = ens.generate("The weather today", max_new_tokens=6)
+    assert both.output == alone.output
+    assert both.skipped_steps == 0  # agreement skip is off for deepen by default
+
+
+def test_deepen_params_are_validated(make_tiny, tmp_path):
+    a, b = make_tiny("qwen", seed=4, name="a"), make_tiny("gemma3", seed=4, name="b")
+    with pytest.raises(ConfigError, match="params.main"):
+        Ensemble([a, b], method="deepen", method_params={"main": "zz"}, align_cache=tmp_path)
+    with pytest.raises(ConfigError, match="unexpected keyword"):
+        Ensemble([a, b], method="deepen", method_params={"stepz": 3}, align_cache=tmp_path)
+    with pytest.raises(ConfigError, match="accuracies"):
+        Ensemble([a, b], method="deepen", method_params={"accuracies": {"a": 0.5}}, align_cache=tmp_path)
+    ens = Ensemble([a, b], method="deepen", method_params={"accuracies": {"a": 0.75, "b": 0.5}, "n_choices": 4},
+                   align_cache=tmp_path)
+    assert ens.combiner.alpha == pytest.approx({"a": 0.5 / 0.75, "b": 0.25 / 0.75})

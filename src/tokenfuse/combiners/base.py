@@ -92,6 +92,10 @@ class Combiner(ABC):
     def bind(self, ens: Ensemble) -> None:  # noqa: B027 - optional hook
         """Called once by the ensemble that uses the combiner (precompute tables here)."""
 
+    def prepare(self, *, progress: bool = True) -> float:
+        """Build or load what the combiner needs before the first step; returns seconds."""
+        return 0.0
+
     @abstractmethod
     def combine(self, view: StepView) -> Dist:
         """The combined distribution for every row of ``view``."""

@@ -158,6 +158,7 @@ class Ensemble:
         self.window = window
         self.parallel = parallel
         self._pool = ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="member") if parallel else None
+        self.align_cache = align_cache
         self.union = union or build_union([m.codec for m in members], cache=align_cache)
         self.projector = Projector(self.union)
         self.aligner = SubtokenAligner(self.projector, [m.codec for m in self.members])
