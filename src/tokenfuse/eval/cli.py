@@ -1,0 +1,89 @@
+"""``tokenfuse eval``: argument parsing only; the work is ``tokenfuse.eval.runner.run_eval``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from tokenfuse.errors import TokenfuseError
+
+
+def _int_map(text: str | None, flag: str) -> dict[str, int]:
+    """``"gsm8k=20,bbh=10"`` -> ``{"gsm8k": 20, "bbh": 10}``."""
+    out = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise TokenfuseError(f"{flag}: expected TASK=N[,TASK=N], got {part!r}") from None
+        if not sep:
+            raise TokenfuseError(f"{flag}: expected TASK=N[,TASK=N], got {part!r}")
+    return out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from tokenfuse.eval.methods import ALL_METHODS
+    from tokenfuse.eval.runner import DEFAULT_TASKS, FORMS
+
+    p = subparsers.add_parser(
+        "eval", help="benchmark accuracy of each member alone, the ensembles and output-level baselines",
+        description="Run every method on the same fixed seeded items of each task and write per-item JSONL "
+                    "(resumable), results.json, results.md (GaC Tab. 3 shape) and results.png to --out.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="ensemble config YAML (members, weights, gate/threshold, unite params)")
+    src.add_argument("--models", help="comma-separated members (default: the three bundled models)")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated tasks (default: all)")
+    p.add_argument("--methods", default="single,gac,gac-threshold,unite,deepen,vote,mbr",
+                   help=f"comma-separated subset of {','.join(ALL_METHODS)} (seq-avg is added in likelihood form)")
+    p.add_argument("--limit", type=int, help="items per task: a fixed seeded subset (default: all)")
+    p.add_argument("--task-limits", help="per-task item counts overriding --limit, e.g. gsm8k=20,bbh=10")
+    p.add_argument("--data", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
+    p.add_argument("--out", default="eval-out", help="output directory (default: eval-out); a rerun resumes")
+    p.add_argument("--mc", choices=FORMS, default="likelihood",
+                   help="multiple-choice tasks: likelihood (cloze, default) or generate (a letter / yes-no)")
+    p.add_argument("--max-new-tokens", dest="task_max_new_tokens", help="per-task generation limits, e.g. gsm8k=192,bbh=160")
+    p.add_argument("--batch-size", type=int, default=8, help="items per generate call (default 8)")
+    p.add_argument("--num-fewshot", type=int, help="override every task's number of shots")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the item subsets (default 1234)")
+    p.add_argument("--primary", help="primary member (vote ties, likelihood segmentation)")
+    p.add_argument("--gate", dest="eval_gate", help="gate of gac-threshold (default: the config's gate, else the primary member)")
+    p.add_argument("--threshold", dest="eval_threshold", type=float, help="threshold of gac-threshold (default: the config's, else 0.5)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenfuse.cli import resolve_config
+    from tokenfuse.eval.report import markdown_table
+    from tokenfuse.eval.runner import EvalSettings, run_eval
+
+    if args.limit is not None and args.limit < 1:
+        raise TokenfuseError(f"--limit: expected 1 or more, got {args.limit}")
+    if args.batch_size < 1:
+        raise TokenfuseError(f"--batch-size: expected 1 or more, got {args.batch_size}")
+    cfg = resolve_config(args)
+    if args.eval_gate or args.eval_threshold is not None:  # only gac-threshold uses them
+        from tokenfuse.config import parse_config
+        from tokenfuse.eval.methods import DEFAULT_THRESHOLD
+
+        threshold = args.eval_threshold if args.eval_threshold is not None else (cfg.threshold or DEFAULT_THRESHOLD)
+        cfg = parse_config({**cfg.model_dump(), "gate": args.eval_gate or cfg.gate or cfg.primary_name,
+                            "threshold": threshold}, origin="--gate/--threshold")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    settings = EvalSettings(
+        tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], methods=args.methods, limit=args.limit,
+        limits=_int_map(args.task_limits, "--task-limits"), seed=args.seed, data=args.data, out=args.out,
+        mc=args.mc, batch_size=args.batch_size, max_new_tokens=_int_map(args.task_max_new_tokens, "--max-new-tokens"),
+        num_fewshot=args.num_fewshot, progress=not args.quiet)
+    t0 = time.perf_counter()
+    results = run_eval(cfg, settings)
+    print(markdown_table(results))
+    print(f"wrote {args.out}/results.json, results.md, results.png and items/ ({time.perf_counter() - t0:.0f} s)",
+          file=sys.stderr)
+    return 0

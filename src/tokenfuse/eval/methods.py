@@ -1,0 +1,174 @@
+"""The methods ``tokenfuse eval`` compares, and the two output-level baselines.
+
+Method names (``--methods``):
+
+| name | kind | what runs |
+|---|---|---|
+| ``single`` | engine | each member alone (rows ``single:<member>``), through the same engine |
+| ``gac`` | engine | GaC every step (the config's weights) |
+| ``gac-threshold`` | engine | thresholded GaC (the config's ``gate``/``threshold``, else the primary member at 0.5) |
+| ``unite`` | engine | UniTE (the config's ``params`` if its method is ``unite``) |
+| ``deepen`` | engine | DeePEn, once a combiner named ``deepen`` is registered (skipped otherwise) |
+| ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
+| ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
+| ``seq-avg`` | output | likelihood form only: each option scored by the mean of the members' per-byte log-likelihoods |
+
+Output-level methods are computed from the ``single`` rows of the same items, so they cost no
+model time (the ``single`` rows are run for them even when ``single`` is not asked for).
+
+Likelihood form: ``vote`` takes the members' chosen options (per-byte normalised, or raw for the
+raw accuracy); ``mbr`` picks among the members' chosen option texts by chrF, which for one word
+options is close to the vote; ``gac-threshold`` is skipped (teacher forcing has no gate decision
+in the engine: it would equal ``gac``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from tokenfuse.errors import TokenfuseError
+
+ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen")
+OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
+ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2])
+DEFAULT_THRESHOLD = 0.5
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One row of the results table.
+
+    Attributes:
+        name: the row name (``single:<member>``, ``gac``, ``vote``, ...).
+        kind: ``engine`` (an ``Ensemble`` variant runs) or ``output`` (computed from the singles).
+        members: member names the row uses (one for ``single``).
+        overrides: config fields for ``ensemble_from_members`` (``method``, ``params``, ``gate``, ``threshold``).
+    """
+
+    name: str
+    kind: str
+    members: tuple[str, ...]
+    overrides: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+def parse_methods(text: str | Sequence[str]) -> list[str]:
+    """``"single,gac,vote"`` -> the list, each name checked (a typo names itself and the choices)."""
+    names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
+    for n in names:
+        if n not in ALL_METHODS and n != "seq-avg":
+            from difflib import get_close_matches
+
+            hint = get_close_matches(n, ALL_METHODS, n=1)
+            raise TokenfuseError(f"--methods: unknown method {n!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                                 + f" (methods: {', '.join(ALL_METHODS)})")
+    if not names:
+        raise TokenfuseError("--methods: give at least one method")
+    return list(dict.fromkeys(names))
+
+
+def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[str],
+                 log: Callable[[str], None] = print) -> list[MethodSpec]:
+    """The rows to run for ``names`` on config ``cfg`` in ``form`` (``generate``/``likelihood``).
+
+    Engine methods whose combiner is not registered are skipped with a message, as is
+    ``gac-threshold`` in the likelihood form; singles come first (output-level rows need them).
+    """
+    members = tuple(m.name for m in cfg.members)
+    want_single = "single" in names or any(n in OUTPUT_METHODS for n in names) or (form == "likelihood")
+    specs = [MethodSpec(f"single:{m}", "engine", (m,)) for m in members] if want_single else []
+    primary = cfg.primary_name
+    for n in names:
+        if n == "single":
+            continue
+        if n in OUTPUT_METHODS:
+            if n == "seq-avg" and form != "likelihood":
+                log("seq-avg: skipped (a likelihood-form baseline; this task runs in the generate form)")
+                continue
+            specs.append(MethodSpec(n, "output", members))
+            continue
+        combiner = "gac" if n == "gac-threshold" else n
+        if combiner not in registered:
+            log(f"{n}: skipped (no combiner {combiner!r} is registered; available: {', '.join(sorted(registered))})")
+            continue
+        if n == "gac-threshold" and form == "likelihood":
+            log("gac-threshold: skipped in the likelihood form (teacher forcing has no gate decision; it equals gac)")
+            continue
+        if n == "gac-threshold":
+            gate = cfg.gate or primary
+            over = {"method": "gac", "params": {}, "gate": gate,
+                    "threshold": cfg.threshold if cfg.threshold is not None else DEFAULT_THRESHOLD}
+        else:
+            over = {"method": n, "params": cfg.params if cfg.method == n else {}, "gate": None, "threshold": None}
+        specs.append(MethodSpec(n, "engine", members, over))
+    if form == "likelihood" and len(members) > 1 and "seq-avg" not in [s.name for s in specs]:
+        specs.append(MethodSpec("seq-avg", "output", members))  # the issue's sequence-level baseline, always shown
+    if len(members) < 2:  # nothing to vote over or average
+        specs = [s for s in specs if s.kind == "engine"]
+    return specs
+
+
+# ---------------------------------------------------------------------------------------- voting
+def answer_key(extracted: str | None) -> str | None:
+    """The form in which two extracted answers count as the same vote.
+
+    Numbers compare numerically (``18`` = ``18.0``); other answers by SQuAD normalisation
+    (case, punctuation, articles, whitespace). ``None`` or an empty answer casts no vote.
+    """
+    if extracted is None:
+        return None
+    try:
+        return "#" + format(Decimal(extracted.replace(",", "")).normalize(), "f")
+    except (InvalidOperation, ValueError):
+        pass
+    from tokenfuse.tasks.scoring import normalize_answer
+
+    # A lone letter is an option ("A" would vanish as an article under SQuAD normalisation).
+    key = normalize_answer(extracted) or " ".join(extracted.lower().split())
+    return key or None
+
+
+def majority_vote(answers: Sequence[str | None], *, primary: int = 0) -> int:
+    """Index of the member whose answer wins the majority vote over ``answers``.
+
+    Answers are compared by ``answer_key``; ``None`` abstains. Among answers with the most votes
+    the primary member's wins if it is one of them, else the one given first (member order). If
+    every member abstains, the primary member's output is taken.
+    """
+    keys = [answer_key(a) for a in answers]
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        return primary
+    top = max(counts.values())
+    order = [primary] + [i for i in range(len(keys)) if i != primary]
+    return next(i for i in order if keys[i] is not None and counts[keys[i]] == top)
+
+
+def chrf_matrix(outputs: Sequence[str]) -> list[list[float]]:
+    """``m[i][j]`` = sentence chrF (sacrebleu defaults, 0..100) of ``outputs[i]`` against ``outputs[j]``."""
+    try:
+        from sacrebleu.metrics import CHRF
+    except ImportError:
+        raise TokenfuseError("mbr needs sacrebleu: pip install 'tokenfuse[eval]'") from None
+    chrf = CHRF()
+    n = len(outputs)
+    return [[chrf.sentence_score(outputs[i], [outputs[j]]).score if i != j else 100.0 for j in range(n)]
+            for i in range(n)]
+
+
+def mbr_select(outputs: Sequence[str], *, primary: int = 0) -> int:
+    """Index of the minimum-Bayes-risk output: the highest mean chrF against the other outputs.
+
+    Ties go to the primary member, then member order. With one output it is that output.
+    """
+    n = len(outputs)
+    if n < 2:
+        return 0
+    m = chrf_matrix(outputs)
+    means = [sum(m[i][j] for j in range(n) if j != i) / (n - 1) for i in range(n)]
+    best = max(means)
+    order = [primary] + [i for i in range(n) if i != primary]
+    return next(i for i in order if means[i] >= best - 1e-9)

@@ -1,0 +1,43 @@
+"""Per-item predictions on disk: one JSONL file per task, form and method; a rerun skips finished items.
+
+Layout under ``--out``: ``items/<task>-<form>/<method>.jsonl`` (``single:<member>`` is written
+``single__<member>``). Each line is one finished item, appended and flushed as soon as its batch is
+done, so an interrupted run loses at most one batch. A line that does not parse (cut off by an
+interrupt) is ignored and its item runs again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def item_file(out: Path, task: str, form: str, method: str) -> Path:
+    return Path(out) / "items" / f"{task}-{form}" / (method.replace(":", "__").replace("/", "_") + ".jsonl")
+
+
+def read_records(path: Path) -> dict[str, dict]:
+    """Finished records by item id (the last record of an id wins)."""
+    done: dict[str, dict] = {}
+    if not path.is_file():
+        return done
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "id" in rec:
+                done[str(rec["id"])] = rec
+    return done
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cut_off = path.is_file() and path.stat().st_size > 0 and path.read_bytes()[-1:] != b"\n"
+    with path.open("a", encoding="utf-8") as f:
+        if cut_off:  # an interrupted line: end it, so the new record starts on its own line
+            f.write("\n")
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        f.flush()

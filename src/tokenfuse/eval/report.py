@@ -1,0 +1,192 @@
+"""Aggregate per-item records into ``results.json``, a GaC-Tab.-3-shaped markdown table and a figure.
+
+Table shape (GaC Tab. 3: one row per model or ensemble, one column per benchmark, then the
+average and the latency): ``method | task … | Avg. | Δ best | ms/token | ens. % | items/min``.
+
+* task cells: accuracy in percent on the task's items (likelihood form: per-byte normalised);
+* ``Avg.``: the unweighted mean over the tasks;
+* ``Δ best``: ``Avg.`` minus the best single member's ``Avg.`` (the member with the highest
+  average; per task in the second table);
+* ``ms/token``: generate-form wall time divided by generated pieces; ``ens. %``: share of
+  generated pieces where more than one member was computed; ``items/min``: all items of the row
+  divided by their wall time. Output-level rows (vote, MBR, seq-avg) cost no model time of their
+  own: ``—``.
+
+A second table gives each cell's bootstrap 95 % interval; a third the per-task gain over the best
+member on that task, with the rows that lose marked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenfuse.eval.stats import bootstrap_ci
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def method_summary(records: Sequence[dict], *, form: str) -> dict:
+    """Accuracy, interval and cost of one method on one task."""
+    correct = [float(bool(r["correct"])) for r in records]
+    lo, hi = bootstrap_ci(correct)
+    out = {"n": len(records), "acc": _mean(correct), "ci": [lo, hi], "form": form}
+    if form == "likelihood" and records and "correct_raw" in records[0]:
+        out["acc_raw"] = _mean([float(bool(r["correct_raw"])) for r in records])
+    secs = sum(r.get("seconds", 0.0) for r in records)
+    steps = sum(r.get("steps", 0) for r in records)
+    if secs > 0:
+        out["seconds"] = secs
+        out["items_per_min"] = len(records) / secs * 60
+        out["steps"] = steps
+        if form == "generate" and steps:
+            out["ms_per_token"] = 1000 * secs / steps
+            out["ensembled_share"] = sum(r.get("ensembled", 0) for r in records) / steps
+            out["skip_share"] = sum(r.get("skipped", 0) for r in records) / max(
+                sum(r.get("ensembled", 0) for r in records), 1)
+    return out
+
+
+def _row_order(method: str) -> int:
+    from tokenfuse.eval.methods import ENGINE_METHODS, OUTPUT_METHODS
+
+    order = ("single", *ENGINE_METHODS, *OUTPUT_METHODS)
+    return order.index(method.split(":")[0]) if method.split(":")[0] in order else len(order)
+
+
+def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], forms: dict[str, str], *,
+              wall_seconds: float = 0.0) -> dict:
+    """``results.json`` content: per task and method the summary, plus the per-method overview."""
+    tasks = {t: {m: method_summary(recs, form=forms[t]) for m, recs in per.items()}
+             for t, per in all_records.items()}
+    methods = sorted(dict.fromkeys(m for per in all_records.values() for m in per), key=_row_order)
+    overview = {}
+    for m in methods:
+        cells = [tasks[t][m] for t in tasks if m in tasks[t]]
+        secs = sum(c.get("seconds", 0.0) for c in cells)
+        gen = [c for c in cells if "ms_per_token" in c]
+        gen_steps = sum(c["steps"] for c in gen)
+        overview[m] = {
+            "avg": _mean([c["acc"] for c in cells]) if len(cells) == len(tasks) else float("nan"),
+            "items": sum(c["n"] for c in cells),
+            "seconds": secs,
+            "items_per_min": sum(c["n"] for c in cells) / secs * 60 if secs else None,
+            "ms_per_token": 1000 * sum(c["seconds"] for c in gen) / gen_steps if gen_steps else None,
+            "ensembled_share": (sum(c["ensembled_share"] * c["steps"] for c in gen) / gen_steps) if gen_steps else None,
+        }
+    singles = [m for m in methods if m.startswith("single:")]
+    best = max(singles, key=lambda m: overview[m]["avg"]) if singles else None
+    for m in methods:
+        o = overview[m]
+        o["gain_over_best"] = o["avg"] - overview[best]["avg"] if best else None
+    per_task_gain = {}
+    for t, per in tasks.items():
+        s = [m for m in per if m.startswith("single:")]
+        if s:
+            b = max(per[x]["acc"] for x in s)
+            per_task_gain[t] = {m: per[m]["acc"] - b for m in per}
+    return {"members": [m.name for m in cfg.members], "primary": cfg.primary_name,
+            "settings": {"tasks": list(settings.tasks), "methods": list(settings.methods), "limit": settings.limit,
+                         "limits": dict(settings.limits), "seed": settings.seed, "mc": settings.mc,
+                         "batch_size": settings.batch_size, "max_new_tokens": dict(settings.max_new_tokens)},
+            "forms": forms, "tasks": tasks, "overview": overview, "best_member": best,
+            "gain_per_task": per_task_gain, "wall_seconds": wall_seconds}
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}"
+
+
+def _signed(x: float | None) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:+.1f}"
+
+
+def markdown_table(results: dict) -> str:
+    """The three markdown tables (see the module docstring)."""
+    tasks, ov = list(results["tasks"]), results["overview"]
+    methods = list(ov)
+    head = ["method"] + [f"{t} ({results['tasks'][t][methods[0]]['n'] if methods[0] in results['tasks'][t] else '?'})"
+                         for t in tasks] + ["Avg.", "Δ best", "ms/token", "ens. %", "items/min"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        o = ov[m]
+        cells = [_pct(results["tasks"][t][m]["acc"]) if m in results["tasks"][t] else "—" for t in tasks]
+        ms = "—" if o["ms_per_token"] is None else f"{o['ms_per_token']:.0f}"
+        ipm = "—" if o["items_per_min"] is None else f"{o['items_per_min']:.1f}"
+        lines.append("| " + " | ".join([m] + cells + [_pct(o["avg"]), _signed(o["gain_over_best"]), ms,
+                                                        _pct(o["ensembled_share"], 0), ipm]) + " |")
+    ci = ["", "Bootstrap 95 % intervals (1,000 resamples, seed 0):", "",
+          "| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
+    for m in methods:
+        cells = []
+        for t in tasks:
+            c = results["tasks"][t].get(m)
+            cells.append("—" if c is None else f"{_pct(c['ci'][0])}–{_pct(c['ci'][1])}")
+        ci.append(f"| {m} | " + " | ".join(cells) + " |")
+    raw = [t for t in tasks if results["forms"][t] == "likelihood"]
+    extra = []
+    if raw:
+        extra = ["", "Likelihood form, unnormalised (sum of log-probabilities, `acc_raw`):", "",
+                 "| method | " + " | ".join(raw) + " |", "|" + "---|" * (len(raw) + 1)]
+        for m in methods:
+            cells = [_pct(results["tasks"][t][m].get("acc_raw")) if m in results["tasks"][t] else "—" for t in raw]
+            extra.append(f"| {m} | " + " | ".join(cells) + " |")
+    gain = ["", "Gain over the best single member on each task (points; **bold** = the method loses):", "",
+            "| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
+    for m in methods:
+        if m.startswith("single:"):
+            continue
+        cells = []
+        for t in tasks:
+            g = results["gain_per_task"].get(t, {}).get(m)
+            cells.append("—" if g is None else (f"**{_signed(g)}**" if g < -1e-12 else _signed(g)))
+        gain.append(f"| {m} | " + " | ".join(cells) + " |")
+    forms = ", ".join(f"{t}: {f}" for t, f in results["forms"].items())
+    return "\n".join(lines + ci + extra + gain + ["", f"Forms: {forms}."]) + "\n"
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    """Grouped bars: accuracy per task and method with the bootstrap intervals (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    tasks, methods = list(results["tasks"]), list(results["overview"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(tasks) * max(1, len(methods)) / 4), 4))
+    width = 0.8 / max(len(methods), 1)
+    for k, m in enumerate(methods):
+        xs, ys, err = [], [], [[], []]
+        for i, t in enumerate(tasks):
+            c = results["tasks"][t].get(m)
+            if c is None:
+                continue
+            xs.append(i + (k - (len(methods) - 1) / 2) * width)
+            ys.append(100 * c["acc"])
+            err[0].append(max(0.0, 100 * (c["acc"] - c["ci"][0])))
+            err[1].append(max(0.0, 100 * (c["ci"][1] - c["acc"])))
+        ax.bar(xs, ys, width, yerr=err, capsize=2, label=m)
+    ax.set_xticks(range(len(tasks)))
+    ax.set_xticklabels(tasks, rotation=20)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("tokenfuse eval (bars: bootstrap 95 % intervals)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(results: dict, out: Path) -> None:
+    """``results.json``, ``results.md`` and ``results.png`` under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False, allow_nan=True) + "\n",
+                                      encoding="utf-8")
+    (out / "results.md").write_text(markdown_table(results), encoding="utf-8")
+    plot(results, out / "results.png")

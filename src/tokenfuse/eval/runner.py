@@ -1,0 +1,276 @@
+"""``tokenfuse eval``: every method on the same seeded items of every task, members loaded once.
+
+Flow: load the members once → for each task, pick its fixed seeded subset (``Task.subset``) → for
+each engine method (each member alone, then the ensembles, built on the same loaded members and the
+same union vocabulary) run the items in batches, appending one JSON line per finished item →
+compute the output-level baselines (vote, MBR, sequence-level average) from the members' lines →
+aggregate, with bootstrap 95 % intervals, into ``results.json``, ``results.md`` and ``results.png``.
+
+Forms:
+
+* ``generate`` — greedy generation, graded by the task (``Task.score``). Prompt form per method:
+  a member alone gets the chat form if its tokenizer has a chat template, the raw form otherwise
+  (as ``tokenfuse select``); an ensemble gets the chat form when any member has a template — each
+  member renders the messages with its own template, a member without one gets the engine's plain
+  rendering ``"User: …\\n\\nAssistant:"``.
+* ``likelihood`` (multiple-choice tasks; the default for them) — every option's continuation is
+  scored under the method (``Ensemble.loglikelihood``: the token-level ensemble, teacher forced) on
+  the raw cloze context (``Task.cloze``); the prediction is the option with the highest
+  log-likelihood per UTF-8 byte (``acc``), and the raw sum gives ``acc_raw``.
+
+Timing: ``seconds`` of an item is its batch's wall time divided by the batch size; ms/token is
+the generate-form time divided by the generated pieces (prompt encoding included), items/min the
+items divided by their time.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenfuse.errors import TokenfuseError
+from tokenfuse.eval.methods import (MethodSpec, majority_vote, mbr_select, parse_methods, plan_methods)
+from tokenfuse.eval.records import append_records, item_file, read_records
+
+FORMS = ("likelihood", "generate")
+DEFAULT_TASKS = ("gsm8k", "mmlu", "arc_challenge", "arc_easy", "piqa", "boolq", "triviaqa", "nq_open", "bbh")
+
+
+@dataclass
+class EvalSettings:
+    """What to run.
+
+    Attributes:
+        tasks: task names (``tokenfuse.tasks.TASKS``).
+        methods: method names (``tokenfuse.eval.methods``).
+        limit: items per task (a fixed seeded subset; ``None`` = all); ``limits`` per task override it.
+        mc: form of the multiple-choice tasks: ``likelihood`` (default) or ``generate``.
+        max_new_tokens: per-task generation limits overriding the task's own (``{"gsm8k": 192}``).
+    """
+
+    tasks: Sequence[str] = DEFAULT_TASKS
+    methods: Sequence[str] = ("single", "gac", "gac-threshold", "unite", "deepen", "vote", "mbr")
+    limit: int | None = None
+    limits: dict[str, int] = field(default_factory=dict)
+    seed: int = 1234
+    data: str | None = None
+    out: str = "eval-out"
+    mc: str = "likelihood"
+    batch_size: int = 8
+    max_new_tokens: dict[str, int] = field(default_factory=dict)
+    num_fewshot: int | None = None
+    progress: bool = True
+
+
+def task_form(task, mc: str) -> str:
+    if mc not in FORMS:
+        raise TokenfuseError(f"--mc: expected one of {', '.join(FORMS)}, got {mc!r}")
+    return mc if task.multiple_choice else "generate"
+
+
+def has_chat_template(member) -> bool:
+    return bool(getattr(member.tokenizer, "chat_template", None))
+
+
+# ---------------------------------------------------------------------------------------- engine rows
+def generate_records(ens, task, items: Sequence[dict], *, chat: bool, max_new_tokens: int) -> list[dict]:
+    """Greedy generation for one batch, graded; one record per item."""
+    from tokenfuse.engine.sampling import Sampling
+
+    t0 = time.perf_counter()
+    gens = ens.generate([task.prompt(it, chat=chat) for it in items], max_new_tokens=max_new_tokens,
+                        sampling=Sampling(), stop=task.stop(chat=chat), chat=chat)
+    per_item = (time.perf_counter() - t0) / max(len(items), 1)
+    out = []
+    for it, g in zip(items, gens):
+        s = task.score(it, g.text)
+        out.append({"id": it["id"], "output": g.text, "extracted": s.extracted, "correct": bool(s.correct),
+                    "steps": g.steps, "ensembled": g.ensembled_steps, "skipped": g.skipped_steps,
+                    "finish": g.finish_reason, "chat": chat, "seconds": round(per_item, 4)})
+    return out
+
+
+def argmax(values: Sequence[float]) -> int:
+    """First index of the largest value (``-inf`` and NaN never win over a finite value)."""
+    best, idx = -math.inf, 0
+    for i, v in enumerate(values):
+        if v == v and v > best:
+            best, idx = v, i
+    return idx
+
+
+def cloze_record(item_id, gold: int, continuations: Sequence[str], logprobs: Sequence[float],
+                 nbytes: Sequence[int], **extra) -> dict:
+    """A likelihood-form record: the option scores and both predictions."""
+    per_byte = [lp / max(b, 1) for lp, b in zip(logprobs, nbytes)]
+    pred, pred_raw = argmax(per_byte), argmax(logprobs)
+    return {"id": item_id, "gold": gold, "pred": pred, "pred_raw": pred_raw, "correct": pred == gold,
+            "correct_raw": pred_raw == gold, "logprobs": [round(x, 5) for x in logprobs],
+            "bytes": list(nbytes), "options": list(continuations), **extra}
+
+
+def likelihood_records(ens, task, items: Sequence[dict]) -> list[dict]:
+    """Every option of every item scored under ``ens`` (raw cloze context); one record per item."""
+    clozes = [task.cloze(it) for it in items]
+    requests = [(c.context, cont) for c in clozes for cont in c.continuations]
+    t0 = time.perf_counter()
+    liks = ens.loglikelihood(requests)
+    per_item = (time.perf_counter() - t0) / max(len(items), 1)
+    out, k = [], 0
+    for it, c in zip(items, clozes):
+        n = len(c.continuations)
+        ls = liks[k:k + n]
+        k += n
+        out.append(cloze_record(it["id"], c.gold, c.continuations, [x.logprob for x in ls], [x.bytes for x in ls],
+                                steps=sum(x.pieces for x in ls), seconds=round(per_item, 4)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- output rows
+def output_record(spec: MethodSpec, task, item: dict, singles: list[dict], *, primary: int, form: str) -> dict:
+    """A vote / MBR / sequence-average record from the members' records of the same item."""
+    names = list(spec.members)
+    if form == "generate":
+        if spec.name == "vote":
+            k = majority_vote([r.get("extracted") for r in singles], primary=primary)
+        else:
+            k = mbr_select([r.get("output") or "" for r in singles], primary=primary)
+        r = singles[k]
+        return {"id": item["id"], "output": r["output"], "extracted": r["extracted"], "correct": r["correct"],
+                "chosen": names[k]}
+    gold, options = singles[0]["gold"], singles[0]["options"]
+    if spec.name == "seq-avg":
+        n = len(options)
+        per_byte = [sum(r["logprobs"][j] / max(r["bytes"][j], 1) for r in singles) / len(singles) for j in range(n)]
+        raw = [sum(r["logprobs"][j] for r in singles) / len(singles) for j in range(n)]
+        nb = singles[0]["bytes"]
+        rec = cloze_record(item["id"], gold, options, [p * max(b, 1) for p, b in zip(per_byte, nb)], nb)
+        rec["pred_raw"] = argmax(raw)
+        rec["correct_raw"] = rec["pred_raw"] == gold
+        rec["logprobs"] = [round(x, 5) for x in raw]
+        return rec
+    picks = {}
+    for key in ("pred", "pred_raw"):
+        if spec.name == "vote":
+            k = majority_vote([str(r[key]) for r in singles], primary=primary)
+        else:
+            k = mbr_select([options[r[key]] for r in singles], primary=primary)
+        picks[key] = (singles[k][key], names[k])
+    return {"id": item["id"], "gold": gold, "pred": picks["pred"][0], "pred_raw": picks["pred_raw"][0],
+            "correct": picks["pred"][0] == gold, "correct_raw": picks["pred_raw"][0] == gold,
+            "chosen": picks["pred"][1], "options": options}
+
+
+# ---------------------------------------------------------------------------------------- the run
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="item", disable=not enabled, file=sys.stderr, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+
+
+def build_variant(cfg, members, spec: MethodSpec, *, union):
+    """The ``Ensemble`` of one engine row on the already loaded ``members``."""
+    from tokenfuse.config import parse_config
+    from tokenfuse.engine.generate import Ensemble
+    from tokenfuse.load import ensemble_from_members
+    from tokenfuse.paths import cache_dir
+
+    by_name = {m.name: m for m in members}
+    if spec.name.startswith("single:"):
+        return Ensemble([by_name[spec.members[0]]], window=cfg.window, parallel=False,
+                        align_cache=cache_dir(cfg.cache_dir) / "alignment")
+    variant = parse_config({**cfg.model_dump(), **spec.overrides}, origin=f"method {spec.name}")
+    return ensemble_from_members(variant, members, union=union)
+
+
+def run_task(cfg, members, union, task, specs: Sequence[MethodSpec], settings: EvalSettings, *,
+             log: Callable[[str], None]) -> dict[str, list[dict]]:
+    """Run (or resume) every row of one task; returns the records per method, in item order."""
+    form = task_form(task, settings.mc)
+    items = task.subset(settings.limits.get(task.name, settings.limit), settings.seed)
+    out = Path(settings.out)
+    limit = settings.max_new_tokens.get(task.name) or task.max_new_tokens
+    names = [m.name for m in members]
+    primary = names.index(cfg.primary_name)
+    records: dict[str, list[dict]] = {}
+    for spec in specs:
+        path = item_file(out, task.name, form, spec.name)
+        done = read_records(path)
+        todo = [it for it in items if str(it["id"]) not in done]
+        if spec.kind == "output":
+            singles = [{r["id"]: r for r in records[f"single:{n}"]} for n in spec.members]
+            new = [output_record(spec, task, it, [s[it["id"]] for s in singles], primary=primary, form=form)
+                   for it in todo]
+            append_records(path, new)
+        elif todo:
+            ens = build_variant(cfg, members, spec, union=union)
+            chat = any(has_chat_template(m) for m in ens.members) if form == "generate" else False
+            bs = settings.batch_size
+            if form == "likelihood":  # one item is 2-5 requests
+                bs = max(1, bs // 2)
+            with _bar(len(items), f"{task.name} {spec.name}", settings.progress) as bar:
+                bar.update(len(items) - len(todo))
+                correct, n, t0 = sum(r["correct"] for r in done.values()), len(done), time.perf_counter()
+                for start in range(0, len(todo), bs):
+                    batch = todo[start:start + bs]
+                    if form == "generate":
+                        new = generate_records(ens, task, batch, chat=chat, max_new_tokens=limit)
+                    else:
+                        new = likelihood_records(ens, task, batch)
+                    for r in new:
+                        r["method"] = spec.name
+                    append_records(path, new)
+                    for r in new:
+                        done[str(r["id"])] = r
+                    correct += sum(r["correct"] for r in new)
+                    n += len(new)
+                    rate = (start + len(batch)) / max(time.perf_counter() - t0, 1e-9) * 60
+                    bar.set_postfix_str(f"acc={correct / n:.3f}, {rate:.1f} items/min", refresh=False)
+                    bar.update(len(batch))
+            del ens
+            gc.collect()
+        done = read_records(path)
+        records[spec.name] = [done[str(it["id"])] for it in items]
+    return records
+
+
+def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
+             log: Callable[[str], None] | None = None) -> dict:
+    """Run every task and method of ``settings`` on ``cfg``; write and return the results.
+
+    ``members``/``union`` reuse already loaded members (tests); otherwise they are loaded once here.
+    """
+    from tokenfuse.combiners import REGISTRY
+    from tokenfuse.eval.report import summarise, write_outputs
+    from tokenfuse.tasks import load_task
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    methods = parse_methods(settings.methods)
+    tasks = [load_task(t, settings.data, num_fewshot=settings.num_fewshot) for t in settings.tasks]
+    if members is None:
+        from tokenfuse.load import load_ensemble
+
+        t0 = time.perf_counter()
+        ens = load_ensemble(cfg, progress=settings.progress)
+        members, union = ens.members, ens.union
+        log(f"members loaded in {time.perf_counter() - t0:.1f} s: {', '.join(m.name for m in members)}")
+    t_run = time.perf_counter()
+    all_records: dict[str, dict[str, list[dict]]] = {}
+    forms: dict[str, str] = {}
+    for task in tasks:
+        form = task_form(task, settings.mc)
+        specs = plan_methods(cfg, methods, form=form, registered=list(REGISTRY), log=log)
+        t0 = time.perf_counter()
+        all_records[task.name] = run_task(cfg, members, union, task, specs, settings, log=log)
+        forms[task.name] = form
+        log(f"{task.name} ({form}): {len(next(iter(all_records[task.name].values()), []))} items, "
+            f"{time.perf_counter() - t0:.0f} s")
+    results = summarise(cfg, settings, all_records, forms, wall_seconds=time.perf_counter() - t_run)
+    write_outputs(results, Path(settings.out))
+    return results

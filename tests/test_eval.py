@@ -1,0 +1,184 @@
+"""tokenfuse eval: vote/MBR scoring, bootstrap intervals, resumable runs, the table, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenfuse.config import config_from_models
+from tokenfuse.eval.methods import answer_key, majority_vote, mbr_select, parse_methods, plan_methods
+from tokenfuse.eval.report import markdown_table, summarise
+from tokenfuse.eval.runner import EvalSettings, run_eval
+from tokenfuse.eval.stats import bootstrap_ci
+from tokenfuse.errors import TokenfuseError
+
+pytest.importorskip("sacrebleu")
+
+
+# ---------------------------------------------------------------------------------------- vote / MBR
+def test_answer_key_numbers_letters_and_text():
+    assert answer_key("18") == answer_key("18.0") == answer_key("18.00") == "#18"
+    assert answer_key("1,200") == "#1200"
+    assert answer_key("A") == "a" and answer_key("(B)") == "b"  # a lone letter survives normalisation
+    assert answer_key("The Eiffel Tower.") == answer_key("eiffel tower") == "eiffel tower"
+    assert answer_key(None) is None and answer_key("  ") is None
+
+
+def test_majority_vote():
+    assert majority_vote(["18", "7", "18.0"]) == 0  # numeric equality: 2 votes for 18
+    assert majority_vote(["7", "18", "18.0"], primary=0) == 1  # majority beats the primary member
+    assert majority_vote(["A", "B", "C"], primary=2) == 2  # three-way tie: the primary member
+    assert majority_vote(["A", "B", None], primary=2) == 0  # primary abstains: first tied member
+    assert majority_vote([None, "paris", "Paris."], primary=0) == 1
+    assert majority_vote([None, None, None], primary=1) == 1  # nobody answered: the primary's output
+
+
+def test_mbr_select():
+    outs = ["The capital of France is Paris", "Paris is the capital of France", "Bananas are yellow"]
+    assert mbr_select(outs) == 0  # highest mean chrF to the others (0 and 1 are close; 0 is ahead)
+    assert mbr_select(["x", "x", "y"], primary=2) == 0  # two agreeing outputs beat the primary
+    assert mbr_select(["same", "same"], primary=1) == 1  # exact tie: the primary member
+    assert mbr_select(["only"]) == 0
+
+
+def test_bootstrap_ci_fixed_seed():
+    values = [1] * 6 + [0] * 4
+    assert bootstrap_ci(values, seed=0) == pytest.approx((0.3, 0.9))
+    assert bootstrap_ci(values, seed=0) == bootstrap_ci(values, seed=0)
+    assert bootstrap_ci([1, 1, 1]) == (1.0, 1.0)
+    lo, hi = bootstrap_ci([])
+    assert lo != lo and hi != hi  # NaN
+
+
+# ---------------------------------------------------------------------------------------- planning
+def test_parse_and_plan_methods():
+    with pytest.raises(TokenfuseError, match="did you mean 'vote'"):
+        parse_methods("single,vot")
+    cfg = config_from_models("smollm2-135m-instruct,gemma3-270m")
+    logs: list[str] = []
+    gen = plan_methods(cfg, parse_methods("single,gac,gac-threshold,deepen,vote"), form="generate",
+                       registered=["gac", "unite"], log=logs.append)
+    assert [s.name for s in gen] == ["single:smollm2-135m-instruct", "single:gemma3-270m", "gac", "gac-threshold",
+                                     "vote"]
+    assert gen[3].overrides["gate"] == "smollm2-135m-instruct" and gen[3].overrides["threshold"] == 0.5
+    assert any("deepen: skipped" in m for m in logs)
+    lik = plan_methods(cfg, ["gac", "gac-threshold", "mbr"], form="likelihood", registered=["gac"], log=logs.append)
+    assert [s.name for s in lik] == ["single:smollm2-135m-instruct", "single:gemma3-270m", "gac", "mbr", "seq-avg"]
+
+
+# ---------------------------------------------------------------------------------------- table
+def _rec(i, correct, **kw):
+    return {"id": str(i), "correct": correct, **kw}
+
+
+def test_markdown_table_shape():
+    cfg = config_from_models("a-model,b-model")
+    recs = {
+        "piqa": {
+            "single:a-model": [_rec(i, c, correct_raw=c, seconds=1.0, steps=4) for i, c in enumerate([1, 1, 0, 0])],
+            "single:b-model": [_rec(i, c, correct_raw=not c, seconds=2.0, steps=4) for i, c in enumerate([1, 0, 0, 0])],
+            "gac": [_rec(i, c, correct_raw=c, seconds=3.0, steps=4) for i, c in enumerate([1, 1, 1, 0])],
+            "vote": [_rec(i, c, correct_raw=c) for i, c in enumerate([1, 0, 0, 0])],
+        },
+        "gsm8k": {
+            "single:a-model": [_rec(i, c, seconds=1.0, steps=10, ensembled=0) for i, c in enumerate([0, 0, 0, 1])],
+            "single:b-model": [_rec(i, c, seconds=1.0, steps=10, ensembled=0) for i, c in enumerate([1, 1, 0, 0])],
+            "gac": [_rec(i, c, seconds=2.0, steps=10, ensembled=5) for i, c in enumerate([1, 0, 0, 0])],
+            "vote": [_rec(i, c) for i, c in enumerate([0, 0, 0, 1])],
+        },
+    }
+    results = summarise(cfg, EvalSettings(tasks=["piqa", "gsm8k"]), recs, {"piqa": "likelihood", "gsm8k": "generate"})
+    assert results["best_member"] == "single:a-model"  # both average 37.5: the first listed
+    table = markdown_table(results).splitlines()
+    assert table[0] == "| method | piqa (4) | gsm8k (4) | Avg. | Δ best | ms/token | ens. % | items/min |"
+    assert table[2] == "| single:a-model | 50.0 | 25.0 | 37.5 | +0.0 | 100 | 0 | 60.0 |"
+    assert table[3] == "| single:b-model | 25.0 | 50.0 | 37.5 | +0.0 | 100 | 0 | 40.0 |"
+    assert table[4] == "| gac | 75.0 | 25.0 | 50.0 | +12.5 | 200 | 50 | 24.0 |"
+    assert table[5] == "| vote | 25.0 | 25.0 | 25.0 | -12.5 | — | — | — |"
+    gain = table[len(table) - 1 - table[::-1].index("| method | piqa | gsm8k |"):]
+    assert gain[2] == "| gac | +25.0 | **-25.0** |"
+    assert "piqa: likelihood, gsm8k: generate" in table[-1]
+
+
+# ---------------------------------------------------------------------------------------- a run
+ARC = [{"id": f"arc-{i}", "question": q, "choices": ch, "answer": a, "task": "ARC-Easy"} for i, (q, ch, a) in
+       enumerate([("Which is a liquid?", ["rock", "water", "wood"], "B"),
+                  ("What do plants need?", ["light", "sand"], "A"),
+                  ("Which is hot?", ["ice", "snow", "fire", "rain"], "C")])]
+QA = [{"id": f"tq-{i}", "question": q, "answer": a, "aliases": [a]} for i, (q, a) in
+      enumerate([("Capital of France?", "Paris"), ("2+2?", "4"), ("Color of the sky?", "blue")])]
+
+
+@pytest.fixture()
+def data_dir(tmp_path):
+    root = tmp_path / "data"
+    for rel, rows in (("arc/easy_test.jsonl", ARC), ("triviaqa/test.jsonl", QA), ("triviaqa/dev.jsonl", QA)):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return root
+
+
+@pytest.fixture()
+def tiny_pair(make_tiny, one_thread):
+    from tokenfuse import Ensemble
+
+    members = [make_tiny("smollm2", seed=1, name="s"), make_tiny("qwen", seed=2, name="q")]
+    return members, Ensemble(members).union
+
+
+def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monkeypatch):
+    from tokenfuse.engine.generate import Ensemble
+
+    members, union = tiny_pair
+    cfg = config_from_models("s,q")
+    out = tmp_path / "out"
+    settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods=["single", "gac", "vote", "mbr"], limit=2,
+                            data=str(data_dir), out=str(out), batch_size=2, num_fewshot=0,
+                            max_new_tokens={"triviaqa": 3}, progress=False)
+    res = run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
+    assert res["forms"] == {"arc_easy": "likelihood", "triviaqa": "generate"}
+    assert list(res["overview"]) == ["single:s", "single:q", "gac", "vote", "mbr", "seq-avg"]
+    assert {t: c["n"] for t, c in res["tasks"]["arc_easy"].items()} == dict.fromkeys(res["overview"], 2)
+    assert "seq-avg" not in res["tasks"]["triviaqa"]
+    for name in ("results.json", "results.md", "results.png"):
+        assert (out / name).is_file()
+    gac_file = out / "items" / "arc_easy-likelihood" / "gac.jsonl"
+    lines = gac_file.read_text().splitlines()
+    rec = json.loads(lines[0])
+    assert len(rec["logprobs"]) == len(rec["options"]) == len(rec["bytes"]) and rec["pred"] in range(len(rec["options"]))
+    # The same items for every method: the seeded subset.
+    ids = {p.name: [json.loads(x)["id"] for x in p.read_text().splitlines()] for p in gac_file.parent.iterdir()}
+    assert len({tuple(v) for v in ids.values()}) == 1
+
+    # A rerun computes nothing: every item is finished.
+    def boom(*a, **k):
+        raise AssertionError("a finished item ran again")
+
+    monkeypatch.setattr(Ensemble, "generate", boom)
+    monkeypatch.setattr(Ensemble, "loglikelihood", boom)
+    again = run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
+    assert again["tasks"] == res["tasks"]
+
+    # Drop one finished item (and cut the last line, as an interrupt would): only that item runs.
+    gac_file.write_text(lines[0] + "\n" + lines[1][:10], encoding="utf-8")
+    calls = []
+    monkeypatch.setattr(Ensemble, "loglikelihood", lambda self, reqs, **k: calls.append(len(reqs)) or
+                        [type("L", (), {"logprob": -1.0, "bytes": 3, "pieces": 1})()] * len(reqs))
+    run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
+    assert len(calls) == 1
+    assert len(read_ids(gac_file)) == 2
+
+
+def read_ids(path):
+    from tokenfuse.eval.records import read_records
+
+    return list(read_records(path))
+
+
+def test_cli_eval_errors_are_one_line(capsys):
+    from tokenfuse.cli import main
+
+    assert main(["eval", "--methods", "single,mbrr", "--data", "/nonexistent"]) == 2
+    assert "did you mean 'mbr'" in capsys.readouterr().err
+    assert main(["eval", "--limit", "0"]) == 2
