@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--truncate", action="store_true",
                    help="left-truncate prompts that do not fit the smallest member context (default: 400)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    from tokenfuse.analyze.cli import add_parser as add_analyze
+    from tokenfuse.eval.cli import add_parser as add_eval
+
+    add_eval(sub)
+    add_analyze(sub)
     return parser
 
 
@@ -94,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 2
     try:
+        if args.command in ("eval", "analyze"):
+            from importlib import import_module
+
+            return import_module(f"tokenfuse.{args.command}.cli").run(args)
         return {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve}[args.command](args)
     except TokenfuseError as err:
         print(f"tokenfuse: error: {err}", file=sys.stderr)
