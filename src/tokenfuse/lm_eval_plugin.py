@@ -1,0 +1,210 @@
+"""lm-evaluation-harness plugin: a tokenfuse ensemble as the ``tokenfuse`` model of ``lm_eval`` (v0.4.x).
+
+Use from Python (lm-eval 0.4 has no entry-point discovery, so import this module first)::
+
+    import lm_eval
+    from tokenfuse.lm_eval_plugin import TokenfuseLM
+    lm = TokenfuseLM(models="smollm2-135m-instruct+gemma3-270m", method="gac")
+    lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"], limit=50)
+
+or from the shell, through the console script that registers the model and then runs lm-eval's
+own command line::
+
+    tokenfuse-lm-eval run --model tokenfuse --model_args config=examples/default.yaml --tasks arc_easy
+
+Model arguments (``--model_args key=value,...``): ``config`` (an ensemble YAML) or ``models``
+(members separated by ``+``), ``method``, ``gate``, ``threshold``, ``primary``; ``loglikelihood``
+(``text``, default, or ``token``), ``combine`` (``mean``, default, or ``mixture``), ``chat``
+(``true``: each context is sent as one user message, rendered by each member's own template),
+``batch_size`` (default 8).
+
+Requests:
+
+* ``generate_until`` — greedy (or sampled, from ``do_sample``/``temperature``/``top_p``/``top_k``/
+  ``seed``) generation through the lockstep engine; ``until`` strings stop it and are trimmed;
+  ``max_gen_toks`` (default 256) counts chosen pieces.
+* ``loglikelihood`` with ``loglikelihood=text`` (default) — a heterogeneous ensemble has no shared
+  token space, so each member scores the continuation in its own tokenization
+  (``Ensemble([member]).loglikelihood``: its own log-probabilities of its own tokens of the
+  continuation, each renormalised over its text + END ids), and the members' log-likelihoods are
+  combined as text-level numbers: ``combine=mean`` gives the weighted mean ``sum_i w_i log p_i``
+  (a weighted geometric mean of the members' sequence probabilities; the eval runner's ``seq-avg``
+  baseline is this divided by the continuation's bytes), ``combine=mixture`` gives
+  ``log sum_i w_i p_i`` (the probability under a mixture of the members). Weights are the members'
+  normalised weights. With ``loglikelihood=token`` the continuation is scored under the
+  token-level ensemble instead (``Ensemble.loglikelihood``: teacher-forced through the same
+  engine and combiner). ``is_greedy`` is not computed and is always ``False`` (tasks whose metric
+  needs it, e.g. LAMBADA ``acc``, are not supported).
+* ``loglikelihood_rolling`` — the text-level combination of each member's log-likelihood of the
+  whole string, conditioned on the member's BOS token (else its EOS token), as lm-eval's
+  ``prefix_token_id``. The string is not split into windows: it must fit each member's context.
+
+An empty context is conditioned on the member's BOS/EOS token in the same way (text level, also
+when ``loglikelihood=token``, because the engine needs a non-empty prompt for every member).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from tokenfuse.errors import TokenfuseError
+
+
+def _bool(x) -> bool:
+    return x if isinstance(x, bool) else str(x).strip().lower() in ("1", "true", "yes", "on")
+
+
+def combine_loglikelihoods(logprobs: Sequence[float], weights: Sequence[float], how: str = "mean") -> float:
+    """Text-level combination of the members' log-likelihoods of one continuation (see the module docstring)."""
+    total = sum(weights)
+    if total <= 0:
+        raise TokenfuseError("weights: at least one member needs a positive weight")
+    pairs = [(lp, w / total) for lp, w in zip(logprobs, weights) if w > 0]
+    if how == "mean":
+        return sum(w * lp for lp, w in pairs)
+    if how == "mixture":
+        top = max(lp for lp, _ in pairs)
+        if top == -math.inf:
+            return -math.inf
+        return top + math.log(sum(w * math.exp(lp - top) for lp, w in pairs))
+    raise TokenfuseError(f"combine: expected mean or mixture, got {how!r}")
+
+
+@register_model("tokenfuse")
+class TokenfuseLM(LM):
+    """A tokenfuse ensemble behind lm-eval's ``LM`` interface (see the module docstring)."""
+
+    def __init__(self, config: str | None = None, models: str | None = None, method: str | None = None,
+                 gate: str | None = None, threshold: float | None = None, primary: str | None = None,
+                 loglikelihood: str = "text", combine: str = "mean", chat: bool | str = False,
+                 batch_size: int | str = 8, max_gen_toks: int | str = 256, ensemble=None, **_ignored) -> None:
+        super().__init__()
+        if loglikelihood not in ("text", "token"):
+            raise TokenfuseError(f"loglikelihood: expected text or token, got {loglikelihood!r}")
+        if combine not in ("mean", "mixture"):
+            raise TokenfuseError(f"combine: expected mean or mixture, got {combine!r}")
+        if ensemble is None:
+            ensemble = self._load(config, models, method=method, gate=gate, threshold=threshold, primary=primary)
+        from tokenfuse.engine.generate import Ensemble
+
+        self.ensemble = ensemble
+        self.singles = [Ensemble([m], window=ensemble.window, parallel=False) for m in ensemble.members]
+        self.mode, self.combine, self.chat = loglikelihood, combine, _bool(chat)
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.max_gen_toks = int(max_gen_toks)
+
+    @staticmethod
+    def _load(config, models, **over):
+        from tokenfuse.bundled import DEFAULT_ENSEMBLE
+        from tokenfuse.config import config_from_models, load_config, parse_config
+        from tokenfuse.load import load_ensemble
+
+        cfg = load_config(config) if config else config_from_models(
+            (models or "+".join(DEFAULT_ENSEMBLE)).replace("+", ",").replace("|", ","))
+        data = cfg.model_dump()
+        for key, value in over.items():
+            if value is not None:
+                data[key] = float(value) if key == "threshold" else value
+        if over.get("method") and over["method"] != cfg.method:
+            data["params"] = {}
+        return load_ensemble(parse_config(data, origin="model_args"), progress=False)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def weights(self) -> list[float]:
+        return [m.weight for m in self.ensemble.members]
+
+    @staticmethod
+    def _prefix(member) -> str:
+        """The text of the member's BOS (else EOS) token: the condition of an empty context."""
+        tok = member.tokenizer
+        for attr in ("bos_token", "eos_token"):
+            text = getattr(tok, attr, None)
+            if text:
+                return text
+        raise TokenfuseError(f"{member.name}: no BOS or EOS token to condition an empty context on")
+
+    def _member_context(self, member, context: str) -> str:
+        return context if member.encode_prompt(context) else self._prefix(member) + context
+
+    def _text_level(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        per_member = []
+        for m, single in zip(self.ensemble.members, self.singles):
+            if m.weight <= 0:
+                per_member.append([0.0] * len(pairs))
+                continue
+            reqs = [(self._member_context(m, c), x) for c, x in pairs]
+            per_member.append([lk.logprob for lk in self._batched(single.loglikelihood, reqs)])
+        return [combine_loglikelihoods([pm[k] for pm in per_member], self.weights, self.combine)
+                for k in range(len(pairs))]
+
+    def _batched(self, fn, items: list) -> list:
+        out = []
+        for start in range(0, len(items), self.batch_size):
+            out.extend(fn(items[start:start + self.batch_size]))
+        return out
+
+    # ------------------------------------------------------------------ LM interface
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [tuple(r.args) for r in requests]
+        if self.mode == "text":
+            scores = self._text_level(pairs)
+        else:
+            scores = [0.0] * len(pairs)
+            empty = [k for k, (c, _) in enumerate(pairs) if not c]
+            full = [k for k, (c, _) in enumerate(pairs) if c]
+            for k, s in zip(empty, self._text_level([pairs[k] for k in empty]) if empty else []):
+                scores[k] = s
+            liks = self._batched(self.ensemble.loglikelihood, [pairs[k] for k in full])
+            for k, lk in zip(full, liks):
+                scores[k] = lk.logprob
+        for req, s in zip(requests, scores):
+            self.cache_hook.add_partial("loglikelihood", req.args, (s, False))
+        return [(s, False) for s in scores]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        scores = self._text_level([("", r.args[0]) for r in requests])
+        for req, s in zip(requests, scores):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, s)
+        return scores
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from tokenfuse.engine.sampling import Sampling
+
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        kwargs = []
+        for k, r in enumerate(requests):
+            ctx, gk = r.args
+            gk = dict(gk or {})
+            until = gk.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            do_sample = _bool(gk.get("do_sample", False)) and float(gk.get("temperature", 1.0) or 0) > 0
+            sampling = Sampling(temperature=float(gk.get("temperature", 1.0)) if do_sample else 0.0,
+                                top_p=float(gk.get("top_p", 1.0)), top_k=int(gk.get("top_k", 0) or 0),
+                                seed=gk.get("seed"))
+            limit = int(gk.get("max_gen_toks", self.max_gen_toks))
+            kwargs.append((until, sampling, limit))
+            groups[(tuple(until), repr(sampling), limit)].append(k)
+        out: list[str] = [""] * len(requests)
+        for idx in groups.values():
+            until, sampling, limit = kwargs[idx[0]]
+            for start in range(0, len(idx), self.batch_size):
+                chunk = idx[start:start + self.batch_size]
+                gens = self.ensemble.generate([requests[k].args[0] for k in chunk], max_new_tokens=limit,
+                                              sampling=sampling, stop=until, chat=self.chat)
+                for k, g in zip(chunk, gens):
+                    out[k] = g.text
+                    self.cache_hook.add_partial("generate_until", requests[k].args, g.text)
+        return out
+
+
+def cli_evaluate() -> None:
+    """Console script ``tokenfuse-lm-eval``: lm-eval's command line with the ``tokenfuse`` model registered."""
+    from lm_eval.__main__ import cli_evaluate as run
+
+    run()
