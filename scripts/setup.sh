@@ -9,8 +9,8 @@ PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # CPU build of PyTorch (taken from the local wheel cache where the machine has one).
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-# with the server and Ray extras (their tests run in CI)
-pip install -q -e ".[test,server,ray]"
+# with the server, Ray and eval extras (their tests run in CI)
+pip install -q -e ".[test,server,ray,eval]"
 # llama.cpp backend (the default for the bundled models on CPU). It compiles llama.cpp from source
 # (about 5 minutes on 2 cores the first time; pip keeps the built wheel in its cache afterwards).
 python -c "import llama_cpp" 2>/dev/null || CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" pip install -q "llama-cpp-python==0.3.36"

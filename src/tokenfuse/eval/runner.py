@@ -174,7 +174,7 @@ def _bar(total: int, desc: str, enabled: bool):
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
 
-def build_variant(cfg, members, spec: MethodSpec, *, union):
+def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = False):
     """The ``Ensemble`` of one engine row on the already loaded ``members``."""
     from tokenfuse.config import parse_config
     from tokenfuse.engine.generate import Ensemble
@@ -186,7 +186,11 @@ def build_variant(cfg, members, spec: MethodSpec, *, union):
         return Ensemble([by_name[spec.members[0]]], window=cfg.window, parallel=False,
                         align_cache=cache_dir(cfg.cache_dir) / "alignment")
     variant = parse_config({**cfg.model_dump(), **spec.overrides}, origin=f"method {spec.name}")
-    return ensemble_from_members(variant, members, union=union)
+    ens = ensemble_from_members(variant, members, union=union)
+    prepare = getattr(ens.combiner, "prepare", None)
+    if prepare is not None:  # e.g. DeePEn's relative representations (as load_ensemble does)
+        prepare(progress=progress)
+    return ens
 
 
 def run_task(cfg, members, union, task, specs: Sequence[MethodSpec], settings: EvalSettings, *,
@@ -209,7 +213,7 @@ def run_task(cfg, members, union, task, specs: Sequence[MethodSpec], settings: E
                    for it in todo]
             append_records(path, new)
         elif todo:
-            ens = build_variant(cfg, members, spec, union=union)
+            ens = build_variant(cfg, members, spec, union=union, progress=settings.progress)
             chat = any(has_chat_template(m) for m in ens.members) if form == "generate" else False
             bs = settings.batch_size
             if form == "likelihood":  # one item is 2-5 requests
