@@ -57,3 +57,26 @@ def test_tokenizer_agreement_on_real_tokenizers(codecs):
     assert text[3] == "| | smollm2 | gemma3 | qwen |"
     assert text[5] == "| smollm2 | — | 57.1 % | 71.4 % |"  # upper triangle: with a space
     assert text[6] == "| gemma3 | 42.9 % | — | 57.1 % |"  # lower triangle: without
+
+
+def test_calibration_from_eval_records(tmp_path):
+    from tokenfuse.analyze.calibration import run_calibration
+    from tokenfuse.config import config_from_models
+    from tokenfuse.eval.records import append_records, item_file
+
+    ev = tmp_path / "ev"
+    half = [math.log(0.5)] * 2
+    append_records(item_file(ev, "piqa", "likelihood", "single:a"),
+                   [{"id": "1", "gold": 0, "logprobs": [0.0, -math.inf]},
+                    {"id": "2", "gold": 1, "logprobs": half},
+                    {"id": "3", "gold": 0, "logprobs": half}])  # item 3: not run by gac, left out
+    append_records(item_file(ev, "piqa", "likelihood", "gac"),
+                   [{"id": "2", "gold": 1, "logprobs": half}, {"id": "1", "gold": 1, "logprobs": [0.0, -math.inf]}])
+    append_records(item_file(ev, "piqa", "likelihood", "vote"), [{"id": "1", "gold": 0, "pred": 0}])
+    text = run_calibration(config_from_models("a"), task="piqa", methods="gac", eval_out=ev, out=tmp_path / "o")
+    lines = text.splitlines()
+    assert lines[0].startswith("Calibration on piqa (likelihood form, 2 items, 10 bins")
+    # single:a: item 1 right at confidence 1, item 2 wrong at 0.5 -> ECE (0 + 0.5) / 2
+    assert lines[4] == "| single:a | 50.0 | 75.0 | 25.0 |"
+    assert lines[5] == "| gac | 0.0 | 75.0 | 75.0 |"
+    assert (tmp_path / "o" / "calibration.png").is_file()

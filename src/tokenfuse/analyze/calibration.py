@@ -92,7 +92,12 @@ def _records_from_eval(eval_out: Path, task: str, methods: Sequence[str]) -> dic
             recs = [r for r in read_records(path).values() if "logprobs" in r and name != "seq-avg"]
             if recs:
                 out[name] = recs
-    return out
+    # Only the items every method finished (a folder can hold more items of an earlier, larger --limit).
+    common = set.intersection(*(set(str(r["id"]) for r in recs) for recs in out.values())) if out else set()
+    from tokenfuse.eval.report import row_order
+
+    return {name: sorted((r for r in out[name] if str(r["id"]) in common), key=lambda r: str(r["id"]))
+            for name in sorted(out, key=row_order)}
 
 
 def run_calibration(cfg, *, task: str = "arc_easy", limit: int | None = 100, data=None, methods: str = "gac",

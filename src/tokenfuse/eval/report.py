@@ -51,7 +51,7 @@ def method_summary(records: Sequence[dict], *, form: str) -> dict:
     return out
 
 
-def _row_order(method: str) -> int:
+def row_order(method: str) -> int:
     from tokenfuse.eval.methods import ENGINE_METHODS, OUTPUT_METHODS
 
     order = ("single", *ENGINE_METHODS, *OUTPUT_METHODS)
@@ -63,7 +63,7 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
     """``results.json`` content: per task and method the summary, plus the per-method overview."""
     tasks = {t: {m: method_summary(recs, form=forms[t]) for m, recs in per.items()}
              for t, per in all_records.items()}
-    methods = sorted(dict.fromkeys(m for per in all_records.values() for m in per), key=_row_order)
+    methods = sorted(dict.fromkeys(m for per in all_records.values() for m in per), key=row_order)
     overview = {}
     for m in methods:
         cells = [tasks[t][m] for t in tasks if m in tasks[t]]
