@@ -181,8 +181,8 @@ def compare(steps: list, union, deepen: DeePEn, variants: dict, reference) -> No
     main = deepen.main
     weights = {i: 1.0 for i in range(len(deepen.matrices))}
     ref_out = []
-    saved = (deepen.matrices, deepen.mass, deepen.max_rows, deepen.update)
-    deepen.matrices, deepen.mass, deepen.max_rows, deepen.update = reference
+    saved = settings(deepen)
+    settings(deepen, reference)
     t = time.perf_counter()
     for lps in steps:
         ref_out.append(deepen.fuse(lps, weights)[0])
@@ -191,14 +191,16 @@ def compare(steps: list, union, deepen: DeePEn, variants: dict, reference) -> No
     own = [int(lps[main][0].argmax()) for lps in steps]
     ref_choice = [int(o.argmax()) for o in ref_out]
     to_u = union.maps[main]
+    agree = sum(len({int(union.maps[i][int(lp[0].argmax())]) for i, lp in lps.items()}) == 1 for lps in steps)
+    print(f"all members' greedy pieces agree at {agree}/{len(steps)} steps (an agreement skip would not fuse there)")
     print(f"reference: changes the main member's choice at {sum(a != b for a, b in zip(ref_choice, own))}/{len(steps)} "
           f"steps; equals GaC's choice at {sum(to_u[a] == g for a, g in zip(ref_choice, gac))}/{len(steps)} "
           f"(main alone: {sum(to_u[a] == g for a, g in zip(own, gac))}/{len(steps)})")
     print("\n| variant | argmax = reference | max / mean |Δ log-prob| on the reference's top 10 | changes main's choice "
           "| = GaC choice | fuse ms (median, warm) |")
     print("|---|---|---|---|---|---|")
-    for name, (mats, mass, max_rows, update) in variants.items():
-        deepen.matrices, deepen.mass, deepen.max_rows, deepen.update = mats, mass, max_rows, update
+    for name, variant in variants.items():
+        settings(deepen, variant)
         for lps in steps[:3]:  # fill the row store so the timing below is the warm per-step cost
             deepen.fuse(lps, weights)
         same, dmax, dmean, changed, gac_eq, ms = 0, 0.0, [], 0, 0, []
@@ -215,7 +217,16 @@ def compare(steps: list, union, deepen: DeePEn, variants: dict, reference) -> No
             gac_eq += to_u[c] == g
         n = len(steps)
         print(f"| {name} | {same}/{n} | {dmax:.3f} / {np.mean(dmean):.4f} | {changed}/{n} | {gac_eq}/{n} | {statistics.median(ms):.2f} |")
-    deepen.matrices, deepen.mass, deepen.max_rows, deepen.update = saved
+    settings(deepen, saved)
+
+
+def settings(deepen: DeePEn, values: tuple | None = None) -> tuple:
+    """Read or set (matrices, mass, max_rows, update) of ``deepen``."""
+    names = ("matrices", "mass", "max_rows", "update")
+    if values is not None:
+        for n, v in zip(names, values):
+            setattr(deepen, n, v)
+    return tuple(getattr(deepen, n) for n in names)
 
 
 def main() -> None:
@@ -264,7 +275,7 @@ def main() -> None:
         row_statistics(cold)
 
         print(f"\n## Greedy DeePEn decoding ({len(PROMPTS)} prompts × ≤ {args.steps_per_prompt} steps, T = {cold.steps}, "
-              f"η = {cold.lr}, update = {cold.update}, mass = {cold.mass}, max_rows = {cold.max_rows}, "
+              f"η = {cold.lr}, update = {cold.update}, mass = {cold.mass}, ≤ {cold.max_rows} rows, "
               f"compute {str(cold.matrices[0].compute_dtype).replace('torch.', '')}, fuse on {cold.threads} thread)")
         print("member forward = the three members one after the other (the engine runs them in threads)")
         print("| run | steps | fuse ms median | p90 | mean | member forward ms median | fuse / forward (means) | rows computed per step |")
@@ -309,20 +320,22 @@ def main() -> None:
         print(f"reference: exact float32 rows, the {args.ref_rows} most likely text/END tokens of every member "
               f"(≥ 1 − 1e-6 of the mass or {args.ref_rows} rows), adam")
         fp16 = again.matrices
+        sup = (again.mass, again.max_rows)
+        name = (f"default: mass {sup[0]}, ≤ {sup[1]} rows, "
+                f"compute {str(again.matrices[0].compute_dtype).replace('torch.', '')}")
         variants = {
-            "default: mass 0.99, ≤ 32 rows, fp16 store": (fp16, 0.99, 32, "adam"),
-            "mass 0.9, ≤ 8 rows": (fp16, 0.9, 8, "adam"),
+            name: (fp16, *sup, "adam"),
+            "mass 0.99, ≤ 32 rows": (fp16, 0.99, 32, "adam"),
             "mass 0.95, ≤ 16 rows": (fp16, 0.95, 16, "adam"),
-            "mass 0.999, ≤ 64 rows": (fp16, 0.999, 64, "adam"),
-            "gd (Eq. 7 as written), default support": (fp16, 0.99, 32, "gd"),
+            "mass 0.9999, ≤ 128 rows": (fp16, 0.9999, 128, "adam"),
+            "gd (Eq. 7 as written), default support": (fp16, *sup, "gd"),
             f"compute {str(other).replace('torch.', '')}, default support": (
-                [m.sibling(compute_dtype=other, capacity=2048) for m in again.matrices], 0.99, 32, "adam"),
+                [m.sibling(compute_dtype=other, capacity=2048) for m in again.matrices], *sup, "adam"),
         }
         if not args.quick:
-            variants["sparse top-64 anchors (renormalised), default support"] = (
-                [TopM(m, 64, 512) for m in again.matrices], 0.99, 32, "adam")
-            variants["sparse top-1024 anchors (renormalised), default support"] = (
-                [TopM(m, 1024, 512) for m in again.matrices], 0.99, 32, "adam")
+            for m_top in (64, 1024):
+                variants[f"sparse top-{m_top} anchors (renormalised), default support"] = (
+                    [TopM(m, m_top, 1024) for m in again.matrices], *sup, "adam")
         compare(steps, union, again, variants, reference)
 
 

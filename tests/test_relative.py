@@ -189,7 +189,8 @@ def test_inverse_transformation_decreases_the_loss_monotonically_on_a_real_step(
 # ---------------------------------------------------------------------------------- fuse
 def test_full_support_fuse_equals_the_dense_reference(synthetic):
     union, embs, members, lps = synthetic
-    d = DeePEn(members, union, main=0, embeddings=embs, mass=1.0, max_rows=10_000, row_dtype=torch.float32)
+    d = DeePEn(members, union, main=0, embeddings=embs, mass=1.0, max_rows=10_000, row_dtype=torch.float32,
+               compute_dtype=torch.float32)
     out = d.fuse(lps, {0: 2.0, 1: 1.0})
     idx, ids = anchors(union)
     rhat = [dense_rhat(embs[i], ids[i]) for i in range(2)]

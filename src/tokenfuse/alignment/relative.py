@@ -68,12 +68,22 @@ from tokenfuse.alignment.union import END, UnionVocab
 DEFAULT_TEMPERATURE = 100.0
 DEFAULT_STEPS = 5
 DEFAULT_LR = 0.15
-DEFAULT_MASS = 0.99
-DEFAULT_MAX_ROWS = 32
+DEFAULT_MASS = 0.999
+DEFAULT_MAX_ROWS = 64
 DEFAULT_CAPACITY = 4096
 
 
-DEFAULT_COMPUTE_DTYPE = torch.float32
+def _native_bf16() -> bool:
+    """The CPU has bfloat16 dot products (AVX512-BF16 or AMX): the bf16 product is 2–4× faster."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(bool(getattr(cpu, c)()) for c in checks if hasattr(cpu, c))
+    except Exception:  # a private helper that changed: stay exact
+        return False
+
+
+DEFAULT_COMPUTE_DTYPE = torch.bfloat16 if _native_bf16() else torch.float32
 
 
 @contextmanager
@@ -221,7 +231,8 @@ class DeePEn:
         steps, lr: ``T`` and ``η`` of the inverse transformation (paper and reference: 5, 0.15).
         update: ``"adam"`` (reference optimiser, default) or ``"gd"`` (Eq. 7 as written).
         mass, max_rows: per member and row, the kept tokens are the fewest holding ``mass`` of the
-            probability, at most ``max_rows`` (see ``scripts/measure_deepen.py``).
+            probability, at most ``max_rows`` (see ``scripts/measure_deepen.py``). The same cut for
+            every member, so identical members fuse to exactly the member itself.
         capacity: ``R̂`` rows kept in memory per member (float16, ``2 · A`` bytes each).
         cache_dir: where anchor matrices and saved rows live (``None``: nothing on disk); the
             engine passes ``<cache>/alignment``.
@@ -307,22 +318,23 @@ class DeePEn:
         The fewest text/END tokens holding ``mass`` of the member's text/END probability, at most
         ``max_rows``; probabilities renormalised over them.
         """
+        mass, max_rows = self.mass, self.max_rows
         lp = logprobs.float()
         dropped = self._dropped[i]
         dropped = dropped[dropped < lp.numel()]
         n_extra = min(len(dropped), 16)
-        k = min(self.max_rows + n_extra, lp.numel())
+        k = min(max_rows + n_extra, lp.numel())
         vals, ids = torch.topk(lp, k)
         if len(dropped):
             keep = ~torch.isin(ids, dropped)
             vals, ids = vals[keep], ids[keep]
-        vals, ids = vals[: self.max_rows], ids[: self.max_rows]
+        vals, ids = vals[:max_rows], ids[:max_rows]
         if ids.numel() == 0:
             raise ValueError(f"member {i}: no text token among its {k} most likely ids")
         p = vals.exp()
         total = 1.0 - (float(lp[dropped].exp().sum()) if len(dropped) else 0.0)
-        if self.mass < 1.0 and total > 0:
-            n = int(torch.searchsorted(torch.cumsum(p, 0), torch.tensor(self.mass * total)).item()) + 1
+        if mass < 1.0 and total > 0:
+            n = int(torch.searchsorted(torch.cumsum(p, 0), torch.tensor(mass * total)).item()) + 1
             p, ids = p[:n], ids[:n]
         return ids, p / p.sum()
 
