@@ -1,0 +1,23 @@
+"""ARC-Challenge and ARC-Easy: 0-shot, generated letter (``arc/{challenge,easy}_test.jsonl``).
+
+Templates, stops and the cloze form: ``multiple_choice.ZeroShotLetterTask``. Items have 3 to 5
+options; the letters follow the option count.
+"""
+
+from __future__ import annotations
+
+from tokenfuse.tasks.base import Item, read_jsonl
+from tokenfuse.tasks.multiple_choice import ZeroShotLetterTask
+
+
+class ARCChallenge(ZeroShotLetterTask):
+    name = "arc_challenge"
+    file = "arc/challenge_test.jsonl"
+
+    def _load(self) -> list[Item]:
+        return read_jsonl(self.data_dir, self.file)
+
+
+class ARCEasy(ARCChallenge):
+    name = "arc_easy"
+    file = "arc/easy_test.jsonl"
