@@ -62,7 +62,7 @@ class ServerSettings:
         truncate_prompt: drop the start of a prompt that does not fit the smallest member context
             (text: oldest characters; chat: oldest messages after the system message) instead of
             answering 400 ``context_length_exceeded``.
-        on_member_failure: ``error`` or ``skip`` (see ``Scheduler``).
+        on_member_failure: ``error`` or ``skip`` (see ``Scheduler``); ``None``: the config's.
     """
 
     model_name: str = "tokenfuse"
@@ -74,7 +74,7 @@ class ServerSettings:
     max_batch: int = 16
     max_queue: int = 256
     truncate_prompt: bool = False
-    on_member_failure: str = "error"
+    on_member_failure: str | None = None
 
 
 class BodyLimit:
@@ -125,7 +125,7 @@ def create_app(ensemble: Ensemble, *, config: EnsembleConfig | None = None,
     pool = EnsemblePool(ensemble, config)
     decoding = pool.cfg.decoding
     scheduler = Scheduler(pool, max_batch=settings.max_batch, max_queue=settings.max_queue,
-                          on_member_failure=settings.on_member_failure)
+                          on_member_failure=settings.on_member_failure or pool.cfg.on_member_failure)
     created = int(time.time())
 
     @asynccontextmanager

@@ -315,10 +315,13 @@ class Scheduler:
                 raise ContextError(
                     f"this request needs {need} tokens of member {name!r} (prompt plus max_tokens), "
                     f"more than its context of {ctx}; shorten the prompt or lower max_tokens")
-            prompt = _truncate(prompt, job.chat, fraction=min(0.9, ctx / need * 0.95))
+            room = ctx - job.max_new_tokens  # tokens the prompt may keep
+            if room < 2:
+                raise ContextError(f"max_tokens={job.max_new_tokens} alone fills member {name!r}'s context of {ctx}")
+            prompt = _truncate(prompt, job.chat, fraction=min(0.9, room / (need - job.max_new_tokens) * 0.95))
             job.truncated += 1
             if not prompt:
-                raise ContextError(f"max_tokens alone exceeds member {name!r}'s context of {ctx}")
+                raise ContextError(f"the prompt cannot be truncated to fit member {name!r}'s context of {ctx}")
         else:
             raise ContextError("the prompt could not be truncated to fit every member's context")
         job.seq = seq
