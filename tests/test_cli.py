@@ -108,7 +108,7 @@ def test_invalid_yaml(capsys, tmp_path):
     (["--models", "smollm2,qwen", "--weights=-1,1"], "members.0.weight"),
     (["--models", "smollm2,qwen", "--threshold", "0.5"], "gate"),
     (["--models", "smollm2,qwen", "--gate", "gemma3"], "gate: 'gemma3' is not a member"),
-    (["--models", "smollm2,qwen", "--method", "gca"], "available: gac"),
+    (["--models", "smollm2,qwen", "--method", "gca"], "available: deepen, gac, unite"),
     (["--models", "smollm2,qwen", "--top-p", "0"], "decoding.top_p"),
     (["--models", "smollm2,smollm2"], "unique"),
 ])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -477,6 +477,7 @@ class Ensemble:
             out = {i: self._member_forward(i, seqs) for i in members}
         else:
             futures = {i: self._pool.submit(self._member_forward, i, seqs) for i in members}
+            wait(futures.values())  # all finished (even when one raises) before anyone touches the states
             out = {i: f.result() for i, f in futures.items()}
         self.timings["forward"] += time.perf_counter() - t
         return out
