@@ -140,8 +140,10 @@ def row_statistics(deepen: DeePEn, n: int = 256, seed: int = 0) -> None:
         rel = ((approx - exact).abs() / exact).max().item()
         absd = (approx - exact).abs().max().item()
         l1 = {k: (2 * (1 - srt[:, k - 1])).mean().item() for k in (64, 1024)}
-        print(f"| {mat.label} | {mat.source.n_rows} | {ent:,.0f} of {mat.n_anchors:,} | {exact.max(1).values.median():.2e} "
-              f"| {mass[0]:.4f} / {mass[1]:.4f} / {mass[2]:.4f} | {rel:.1e} | {absd:.1e} | {l1[64]:.3f} | {l1[1024]:.3f} |")
+        top = exact.max(1).values.median()
+        print(f"| {mat.label} | {mat.source.n_rows} | {ent:,.0f} of {mat.n_anchors:,} | {top:.2e} "
+              f"| {mass[0]:.4f} / {mass[1]:.4f} / {mass[2]:.4f} | {rel:.1e} | {absd:.1e} "
+              f"| {l1[64]:.3f} | {l1[1024]:.3f} |")
 
 
 def decode(deepen: DeePEn, dec: Decoder, union, steps: int, record: list | None) -> dict:
@@ -216,7 +218,8 @@ def compare(steps: list, union, deepen: DeePEn, variants: dict, reference) -> No
             changed += c != o
             gac_eq += to_u[c] == g
         n = len(steps)
-        print(f"| {name} | {same}/{n} | {dmax:.3f} / {np.mean(dmean):.4f} | {changed}/{n} | {gac_eq}/{n} | {statistics.median(ms):.2f} |")
+        print(f"| {name} | {same}/{n} | {dmax:.3f} / {np.mean(dmean):.4f} | {changed}/{n} | {gac_eq}/{n} "
+              f"| {statistics.median(ms):.2f} |")
     settings(deepen, saved)
 
 
@@ -227,6 +230,50 @@ def settings(deepen: DeePEn, values: tuple | None = None) -> tuple:
         for n, v in zip(names, values):
             setattr(deepen, n, v)
     return tuple(getattr(deepen, n) for n in names)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def best_of(fn, n: int = 5) -> float:
+    """The fastest of ``n`` runs, ms: on a shared machine the least disturbed one."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * min(times)
+
+
+def quiet_timings(deepen: DeePEn, members, steps: list, n_steps: int = 24) -> None:
+    """Best-of-5 timings: warm fuse, one-token decode of each member, a batch of new rows."""
+    weights = {i: 1.0 for i in range(len(members))}
+    picks = steps[:: max(1, len(steps) // n_steps)][:n_steps]
+    fuse = [best_of(lambda s=s: deepen.fuse(s, weights)) for s in picks]
+    fwd = []
+    for m in members:
+        st = m.new_state(m.encode_prompt(PROMPTS[0] + " and it is a city with a long history."))
+        m.next_logprobs([st])
+
+        def one_token(m=m, st=st):
+            st.n_valid -= 1  # the last position again: a one-token decode step
+            m.next_logprobs([st])
+
+        fwd.append(best_of(one_token, 7))
+        m.release(st)
+    rng = np.random.default_rng(0)
+    new = []
+    for mat in deepen.matrices:
+        ids = rng.choice(mat.source.n_rows, 25, replace=False)
+        new.append(best_of(lambda mat=mat, ids=ids: mat.compute(ids), 3))
+    f = float(np.median(fuse))
+    print(f"\n## Best-of-5 timings (the machine is shared; these approximate an idle one)")
+    print(f"warm fuse, median over {len(picks)} steps of the best of 5: {f:.2f} ms (min {min(fuse):.2f}, max {max(fuse):.2f})")
+    print("one-token decode, best of 7: " + ", ".join(f"{m.name} {t:.1f} ms" for m, t in zip(members, fwd))
+          + f"; sum {sum(fwd):.1f} ms -> warm fuse = {100 * f / sum(fwd):.1f} % of the members' forward")
+    print("25 new rows (a cold step's typical miss batch per member), best of 3: "
+          + ", ".join(f"{m.label} {t:.1f} ms" for m, t in zip(deepen.matrices, new)))
 
 
 def main() -> None:
@@ -264,7 +311,8 @@ def main() -> None:
         cold.prepare(progress=sys.stderr.isatty())
         t_cold = time.perf_counter() - t
         built = anon_mb() - base
-        print(f"\n## Build (anchor matrices, {sum(m.anchor_matrix.numel() * 4 for m in cold.matrices) / 2**20:.0f} MB fp32): "
+        size = sum(m.anchor_matrix.numel() * m.anchor_matrix.element_size() for m in cold.matrices) / 2**20
+        print(f"\n## Build (anchor matrices, {size:.0f} MB in {dtype_name(cold.matrices[0].compute_dtype)}): "
               f"cold {t_cold:.2f} s (empty cache: dequantise {len(idx):,} rows per member from the GGUFs), ", end="")
         warm = DeePEn(members, union, main=main_idx, cache_dir=tmp)
         t = time.perf_counter()
@@ -274,11 +322,12 @@ def main() -> None:
 
         row_statistics(cold)
 
-        print(f"\n## Greedy DeePEn decoding ({len(PROMPTS)} prompts × ≤ {args.steps_per_prompt} steps, T = {cold.steps}, "
-              f"η = {cold.lr}, update = {cold.update}, mass = {cold.mass}, ≤ {cold.max_rows} rows, "
-              f"compute {str(cold.matrices[0].compute_dtype).replace('torch.', '')}, fuse on {cold.threads} thread)")
+        print(f"\n## Greedy DeePEn decoding ({len(PROMPTS)} prompts × ≤ {args.steps_per_prompt} steps, "
+              f"T = {cold.steps}, η = {cold.lr}, update = {cold.update}, mass = {cold.mass}, ≤ {cold.max_rows} rows, "
+              f"compute {dtype_name(cold.matrices[0].compute_dtype)}, fuse on {cold.threads} thread)")
         print("member forward = the three members one after the other (the engine runs them in threads)")
-        print("| run | steps | fuse ms median | p90 | mean | member forward ms median | fuse / forward (means) | rows computed per step |")
+        print("| run | steps | fuse ms median | p90 | mean | member forward ms median | fuse / forward (means) "
+              "| rows computed per step |")
         print("|---|---|---|---|---|---|---|---|")
         r_cold = decode(cold, dec, union, args.steps_per_prompt, None)
         summary("cold row store", r_cold)
@@ -291,7 +340,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="deepen-measure-") as tmp2:
             alt = DeePEn(members, union, main=main_idx, cache_dir=tmp2, compute_dtype=other)
             alt.prepare(progress=False)
-            summary(f"cold row store, compute {str(other).replace('torch.', '')}",
+            summary(f"cold row store, compute {dtype_name(other)}",
                     decode(alt, dec, union, args.steps_per_prompt, None))
             del alt
         with tempfile.TemporaryDirectory(prefix="deepen-measure-") as tmp3:
@@ -300,18 +349,23 @@ def main() -> None:
             before = anon_mb()
             t_pre = pre.prebuild(DEFAULT_CAPACITY, progress=sys.stderr.isatty())
             pre_mb = anon_mb() - before
-            summary(f"cold + prebuild(ids < {DEFAULT_CAPACITY}): {t_pre:.0f} s, +{pre_mb:.0f} MB", 
-                    decode(pre, dec, union, args.steps_per_prompt, None))
+            r_pre = decode(pre, dec, union, args.steps_per_prompt, None)
+            summary(f"cold + prebuild(ids < {DEFAULT_CAPACITY}): {t_pre:.0f} s, +{pre_mb:.0f} MB", r_pre)
+            full_peak = max(r_pre["mem"]) - base
             del pre
         again = DeePEn(members, union, main=main_idx, cache_dir=tmp)
         again.prepare(progress=False)
         steps: list = []
         r_warm = decode(again, dec, union, args.steps_per_prompt, steps)
         summary("rows saved by the cold run", r_warm)
-        print(f"\npeak extra memory, cold run (anonymous RSS over the baseline after loading the members): {peak:.0f} MB "
+        full = sum(m.anchor_matrix.numel() * m.anchor_matrix.element_size() + m.capacity * m.n_anchors * 2
+                   for m in again.matrices) / 2**20
+        print(f"\npeak extra memory (anonymous RSS over the baseline after loading the members): cold run {peak:.0f} MB "
               f"(DeePEn's own accounting: {held:.0f} MB = anchor matrices + {stored} stored rows in float16); "
-              f"at full row stores: {sum(m.anchor_matrix.numel() * m.anchor_matrix.element_size() + m.capacity * m.n_anchors * 2 for m in again.matrices) / 2**20:.0f} MB; "
+              f"with full row stores (prebuild run) {full_peak:.0f} MB (accounting: {full:.0f} MB); "
               f"dense fp32 would be {dense / 2**30:.1f} GiB")
+
+        quiet_timings(again, members, steps)
 
         print(f"\n## Approximations on the {len(steps)} recorded steps")
         ref_mats = [m.sibling(capacity=4 * args.ref_rows, row_dtype=torch.float32, compute_dtype=torch.float32)
@@ -322,14 +376,14 @@ def main() -> None:
         fp16 = again.matrices
         sup = (again.mass, again.max_rows)
         name = (f"default: mass {sup[0]}, ≤ {sup[1]} rows, "
-                f"compute {str(again.matrices[0].compute_dtype).replace('torch.', '')}")
+                f"compute {dtype_name(again.matrices[0].compute_dtype)}")
         variants = {
             name: (fp16, *sup, "adam"),
             "mass 0.99, ≤ 32 rows": (fp16, 0.99, 32, "adam"),
             "mass 0.95, ≤ 16 rows": (fp16, 0.95, 16, "adam"),
             "mass 0.9999, ≤ 128 rows": (fp16, 0.9999, 128, "adam"),
             "gd (Eq. 7 as written), default support": (fp16, *sup, "gd"),
-            f"compute {str(other).replace('torch.', '')}, default support": (
+            f"compute {dtype_name(other)}, default support": (
                 [m.sibling(compute_dtype=other, capacity=2048) for m in again.matrices], *sup, "adam"),
         }
         if not args.quick:
