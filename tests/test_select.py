@@ -15,8 +15,8 @@ from conftest import tiny_model
 import tokenfuse.select as select_mod
 from tokenfuse.config import EnsembleConfig, load_config, parse_config
 from tokenfuse.errors import TokenfuseError
-from tokenfuse.select import (CandidateResult, Decision, add_parser, format_table, length_ratio, run,
-                              select_members, selected_config)
+from tokenfuse.select import (CandidateResult, Decision, add_parser, config_yaml, format_table, length_ratio,
+                              run, select_members, selected_config)
 
 DATA = Path(__file__).resolve().parent / "data" / "bench"
 
@@ -109,8 +109,10 @@ def test_selected_config_keeps_member_fields_and_sets_scores():
     assert out.primary is None and out.primary_name == "b"  # the highest score
     assert out.gate is None and out.threshold is None  # the gate was not chosen
     assert out.window == 16 and out.decoding.max_new_tokens == 32
-    again = parse_config(yaml.safe_load(out.to_yaml()))
-    assert again == out
+    text = config_yaml(out)
+    assert parse_config(yaml.safe_load(text)) == out  # only non-default fields are written, and they suffice
+    assert yaml.safe_load(text)["members"][1] == {"name": "a", "source": "/models/a", "backend": "transformers",
+                                                 "weight": 2.0, "score": 0.4}
 
 
 def test_format_table_lists_every_candidate_with_its_reason():

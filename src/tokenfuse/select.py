@@ -20,7 +20,8 @@ task's chat form (messages rendered with its own template), any other candidate 
 member; ``run_selection`` does both; ``selected_config`` turns the decision into the config that
 ``tokenfuse generate --config`` runs: the chosen members in ranked order with their other fields
 as given, ``score`` = accuracy (0..1; the highest score is the default primary member), ``primary``
-cleared, ``gate``/``threshold`` dropped if the gate was not chosen.
+cleared, ``gate``/``threshold`` dropped if the gate was not chosen; written (``config_yaml``) with only
+the fields that differ from their defaults, under a comment header holding the selection table.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def uses_chat(member, prompt_form: str = "auto") -> bool:
         raise TokenfuseError(f"--prompt-form: expected one of {', '.join(PROMPT_FORMS)}, got {prompt_form!r}")
     if prompt_form != "auto":
         return prompt_form == "chat"
-    return bool(getattr(member.tokenizer, "chat_template", None))
+    return bool(getattr(getattr(member, "tokenizer", None), "chat_template", None))
 
 
 def evaluate_candidate(ensemble, task, items: Sequence[dict], *, chat: bool, batch_size: int = 8,
@@ -244,6 +245,15 @@ def format_table(results: Sequence[CandidateResult], decisions: Sequence[Decisio
     return "\n".join(lines)
 
 
+def config_yaml(config) -> str:
+    """A config as YAML with only the fields that differ from their defaults (``method`` always)."""
+    import yaml
+
+    data = config.model_dump(exclude_defaults=True)
+    data = {"members": data.pop("members"), "method": config.method, **data}
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
 def config_text(selection: Selection, *, task: str, n: int, seed: int) -> str:
     """The config YAML with the selection table as a comment header."""
     table = format_table(selection.results, selection.decisions)
@@ -251,7 +261,7 @@ def config_text(selection: Selection, *, task: str, n: int, seed: int) -> str:
               f"{n} items (seed {seed}).",
               "# score = the member's accuracy alone on those items (0..1); the highest is the primary member."]
     header += ["# " + line for line in table.splitlines()]
-    return "\n".join(header) + "\n" + selection.config.to_yaml()
+    return "\n".join(header) + "\n" + config_yaml(selection.config)
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -265,27 +275,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "every next-best candidate within 10 accuracy points of it whose mean response length is "
                     "within 2x of the members already taken (UniTE §4.1).")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", help="candidates as an ensemble config YAML (its other fields are kept)")
+    src.add_argument("--config", metavar="FILE",
+                     help="candidates as an ensemble config YAML (its other fields are kept)")
     src.add_argument("--models", help="comma-separated candidates: bundled names, local dirs, .gguf files or hub ids "
                                       "(default: the three bundled models)")
     p.add_argument("--method", help="combiner of the chosen ensemble (default: the config's, else gac)")
     p.add_argument("--task", required=True, choices=list(TASKS), help="benchmark task")
-    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+    p.add_argument("--limit", type=int, metavar="N", default=DEFAULT_LIMIT,
                    help=f"items: a fixed seeded subset (default {DEFAULT_LIMIT}; 0 = all)")
-    p.add_argument("--data", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
-    p.add_argument("--max-members", type=int, default=DEFAULT_MAX_MEMBERS,
+    p.add_argument("--data", metavar="DIR", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
+    p.add_argument("--max-members", type=int, metavar="N", default=DEFAULT_MAX_MEMBERS,
                    help=f"largest ensemble (default {DEFAULT_MAX_MEMBERS})")
-    p.add_argument("--out", help="write the chosen ensemble's config YAML here (default: print it)")
-    p.add_argument("--seed", dest="subset_seed", type=int, default=DEFAULT_SEED,
+    p.add_argument("--out", metavar="FILE", help="write the chosen ensemble's config YAML here (default: print it)")
+    p.add_argument("--seed", dest="subset_seed", type=int, metavar="N", default=DEFAULT_SEED,
                    help=f"seed of the item subset (default {DEFAULT_SEED})")
-    p.add_argument("--num-fewshot", type=int, help="override the task's number of shots")
-    p.add_argument("--max-new-tokens", dest="task_max_new_tokens", type=int,
+    p.add_argument("--num-fewshot", type=int, metavar="N", help="override the task's number of shots")
+    p.add_argument("--max-new-tokens", dest="task_max_new_tokens", type=int, metavar="N",
                    help="override the task's generation limit")
-    p.add_argument("--batch-size", type=int, default=8, help="items per generate call (default 8)")
+    p.add_argument("--batch-size", type=int, metavar="N", default=8, help="items per generate call (default 8)")
     p.add_argument("--prompt-form", choices=PROMPT_FORMS, default="auto",
                    help="auto: chat form for members with a chat template, raw otherwise")
-    p.add_argument("--predictions", help="also write every candidate's outputs here (JSONL: candidate, id, output, "
-                                         "bytes, extracted, correct)")
+    p.add_argument("--predictions", metavar="FILE",
+                   help="also write every candidate's outputs here (JSONL: candidate, id, output, bytes, extracted, "
+                        "correct)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -337,5 +349,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"config written to {args.out} (run it: tokenfuse generate --config {args.out} ...)")
     else:
         print()
-        print(sel.config.to_yaml(), end="")
+        print(config_yaml(sel.config), end="")
     return 0
