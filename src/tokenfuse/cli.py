@@ -82,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     from tokenfuse.analyze.cli import add_parser as add_analyze
     from tokenfuse.eval.cli import add_parser as add_eval
+    from tokenfuse.select import add_parser as add_select
 
     add_eval(sub)
     add_analyze(sub)
+    add_select(sub)
     return parser
 
 
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             from importlib import import_module
 
             return import_module(f"tokenfuse.{args.command}.cli").run(args)
+        if args.command == "select":
+            from tokenfuse.select import run as run_select
+
+            return run_select(args)
         return {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve}[args.command](args)
     except TokenfuseError as err:
         print(f"tokenfuse: error: {err}", file=sys.stderr)
