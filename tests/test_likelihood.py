@@ -65,3 +65,13 @@ def test_mixed_ensemble_likelihood_is_finite_and_batch_independent(make_tiny, on
     assert all(math.isfinite(x.logprob) and x.logprob < 0 for x in batch)
     # pieces follow the primary member's tokenization
     assert [x.pieces for x in batch] == [len(ms[1].codec.encode_text(c)) for c in CONTS]
+
+
+def test_empty_context_starts_from_bos_or_eos(make_tiny, one_thread):
+    ms = [make_tiny("smollm2", seed=1), make_tiny("qwen", seed=3)]  # neither adds a BOS by itself
+    for m in ms:
+        assert m.encode_prompt("") == [m.tokenizer.bos_token_id if m.tokenizer.bos_token_id is not None
+                                       else m.tokenizer.eos_token_id]
+    got = Ensemble(ms).loglikelihood([("", "Hello world")])[0]
+    assert math.isfinite(got.logprob) and got.logprob < 0
+    assert Ensemble(ms).generate("", max_new_tokens=3).steps >= 1

@@ -117,16 +117,17 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
         for f in futures:
             f.add_done_callback(lambda _: bar.update(1))
         members = [f.result() for f in futures]
-    ens = ensemble_from_members(cfg, members)
-    ens.combiner.prepare(progress=progress)  # e.g. DeePEn's relative matrices, with a progress bar
-    return ens
+    return ensemble_from_members(cfg, members, progress=progress)
 
 
-def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None) -> Ensemble:
-    """The ``Ensemble`` a config describes, on already loaded members (in the config's order)."""
+def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None, progress: bool = False) -> Ensemble:
+    """The ``Ensemble`` a config describes, on already loaded members (in the config's order), with
+    what its combiner needs built or loaded (e.g. DeePEn's relative matrices)."""
     for m, mc in zip(members, cfg.members):
         m.score = mc.score  # DeePEn-Adapt reads it
-    return Ensemble(members, method=cfg.method, method_params=cfg.params, primary=cfg.primary_name,
-                    agreement_skip=cfg.agreement_skip, gate=cfg.gate, threshold=cfg.threshold,
-                    window=cfg.window, parallel=cfg.parallel, union=union,
-                    align_cache=cache_dir(cfg.cache_dir) / "alignment")
+    ens = Ensemble(members, method=cfg.method, method_params=cfg.params, primary=cfg.primary_name,
+                   agreement_skip=cfg.agreement_skip, gate=cfg.gate, threshold=cfg.threshold,
+                   window=cfg.window, parallel=cfg.parallel, union=union,
+                   align_cache=cache_dir(cfg.cache_dir) / "alignment")
+    ens.combiner.prepare(progress=progress)
+    return ens

@@ -98,6 +98,13 @@ class Member(ABC):
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if templated and bos is not None and len(ids) > 1 and ids[0] == bos == ids[1]:
             ids = ids[1:]  # a template that writes BOS plus a tokenizer that adds one
+        if not ids:  # an empty prompt: the model still needs one position to predict from
+            start = bos if bos is not None else getattr(self.tokenizer, "eos_token_id", None)
+            if start is None:
+                from tokenfuse.errors import ConfigError
+
+                raise ConfigError(f"member {self.name!r}: empty prompt and the tokenizer has no BOS or EOS token")
+            ids = [start]
         return list(ids)
 
     # ------------------------------------------------------------------ state and compute
