@@ -216,6 +216,10 @@ def test_fuse_shapes_dropped_ids_and_weights(synthetic):
     solo = DeePEn(members, union, main=1, embeddings=embs, steps=0).fuse({1: lps[1]}, {1: 1.0})
     expect = torch.log_softmax(lps[1][:, :499], -1)
     torch.testing.assert_close(solo[:, :499], expect)
+    # an output layer wider than the tokenizer's table (padding rows): those ids are not text
+    wide = torch.log_softmax(torch.cat([lps[0], torch.zeros(2, 10)], 1), -1)
+    out = DeePEn(members, union, main=0, embeddings=embs).fuse({0: wide, 1: lps[1]}, {0: 1.0, 1: 1.0})
+    assert out.shape == (2, 610) and out[:, 600:].eq(float("-inf")).all() and torch.isfinite(out[:, :600]).all()
     with pytest.raises(ValueError, match="main member"):
         d.fuse({0: lps[0]}, {0: 1.0})
     with pytest.raises(ValueError, match="positive weight"):

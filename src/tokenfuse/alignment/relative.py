@@ -289,6 +289,7 @@ class DeePEn:
                                               label=getattr(m, "name", str(i))))
         self.threads = threads
         # ids the union drops (not text, not END): excluded from every distribution
+        self._text = [torch.from_numpy(np.asarray(mp) >= 0) for mp in union.maps]
         self._dropped = [torch.from_numpy(np.nonzero(np.asarray(mp) < 0)[0]) for mp in union.maps]
         self.stats = FuseStats()
         self.track_loss = False
@@ -331,13 +332,11 @@ class DeePEn:
         """
         mass, max_rows = self.mass, self.max_rows
         lp = logprobs.float()
-        dropped = self._dropped[i]
-        dropped = dropped[dropped < lp.numel()]
-        n_extra = min(len(dropped), 16)
-        k = min(max_rows + n_extra, lp.numel())
+        text, dropped = self._mask(i, lp.numel())
+        k = min(max_rows + min(len(dropped), 16), lp.numel())
         vals, ids = torch.topk(lp, k)
         if len(dropped):
-            keep = ~torch.isin(ids, dropped)
+            keep = text.index_select(0, ids)
             vals, ids = vals[keep], ids[keep]
         vals, ids = vals[:max_rows], ids[:max_rows]
         if ids.numel() == 0:
@@ -348,6 +347,15 @@ class DeePEn:
             n = int(torch.searchsorted(torch.cumsum(p, 0), torch.tensor(mass * total)).item()) + 1
             p, ids = p[:n], ids[:n]
         return ids, p / p.sum()
+
+    def _mask(self, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Member ``i``'s text/END mask over ``n`` log-probs and the ids outside it (ids past the
+        tokenizer's table, e.g. padding rows of the output layer, are not text)."""
+        text, dropped = self._text[i], self._dropped[i]
+        if n == text.numel():
+            return text, dropped
+        text = torch.cat([text, torch.zeros(max(0, n - text.numel()), dtype=torch.bool)])[:n]
+        return text, torch.nonzero(~text).flatten()
 
     def relative(self, i: int, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """``r_i = p · R̂_i`` over the kept tokens ``ids`` with probabilities ``probs``, ``float32[A]``."""
@@ -378,45 +386,48 @@ class DeePEn:
         main_lp = logprobs[self.main].float()
         batch = main_lp.shape[0]
         n_a = self.n_anchors
-        kept = {i: [self.support(i, logprobs[i][b]) for b in range(batch)] for i in sorted(set(present) | {self.main})}
-        # one row request per member for the whole batch; a row's tokens are a slice when B == 1
-        row_start = time.perf_counter()
-        tables: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = {}
-        for i, per_row in kept.items():
+        # member by member (the main one last, so its rows are still in cache for the inverse):
+        # one row request for the whole batch, the batch's relative representations, the rows freed
+        targets = torch.zeros(batch, n_a)
+        main_rows: tuple[torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]] | None = None
+        for i in [j for j in present if j != self.main] + [self.main]:
+            kept = [self.support(i, logprobs[i][b]) for b in range(batch)]
+            row_start = time.perf_counter()
             if batch == 1:
-                ids, sel = per_row[0][0], [None]
+                ids, sel = kept[0][0], [None]
             else:
-                ids, inv = torch.unique(torch.cat([r[0] for r in per_row]), return_inverse=True)
-                sel = list(torch.split(inv, [len(r[0]) for r in per_row]))
-            tables[i] = (self.matrices[i].scaled_rows(ids.numpy()), sel)
+                ids, inv = torch.unique(torch.cat([k[0] for k in kept]), return_inverse=True)
+                sel = list(torch.split(inv, [len(k[0]) for k in kept]))
+            table = self.matrices[i].scaled_rows(ids.numpy())  # A · R̂
             self.stats.rows += len(ids)
-        self.stats.row_seconds += time.perf_counter() - row_start
+            self.stats.row_seconds += time.perf_counter() - row_start
+            if i in present:
+                alpha = float(weights[i]) / total_w / n_a
+                for b, (_, p) in enumerate(kept):
+                    if sel[b] is None:
+                        targets[b].add_(p @ table, alpha=alpha)
+                    else:
+                        w = torch.zeros(table.shape[0])
+                        w[sel[b]] = p
+                        targets[b].add_(w @ table, alpha=alpha)
+            if i == self.main:
+                main_rows = (table, sel, [k[0] for k in kept])
+        table, sel, main_ids = main_rows
         out = main_lp.clone()
         self.last_losses = []
         for b in range(batch):
-            target = torch.zeros(n_a)
-            for i in present:
-                table, sel = tables[i]
-                p = kept[i][b][1]
-                if sel[b] is None:
-                    target.add_(p @ table, alpha=float(weights[i]) / total_w / n_a)
-                else:
-                    w = torch.zeros(table.shape[0])
-                    w[sel[b]] = p
-                    target.add_(w @ table, alpha=float(weights[i]) / total_w / n_a)
-            ids = kept[self.main][b][0]
-            table, sel = tables[self.main]
+            ids = main_ids[b]
             rows = table if sel[b] is None else table.index_select(0, sel[b])
-            z, losses, decay = inverse_transform(target, main_lp[b, ids], rows, steps=self.steps, lr=self.lr,
-                                                 update=self.update, scale=float(n_a), track_loss=self.track_loss)
+            z, losses, decay = inverse_transform(targets[b], main_lp[b].index_select(0, ids), rows, steps=self.steps,
+                                                 lr=self.lr, update=self.update, scale=float(n_a),
+                                                 track_loss=self.track_loss)
             self.last_losses.append(losses)
             if decay != 1.0:
                 out[b].mul_(decay)
-            out[b, ids] = z
-        dropped = self._dropped[self.main]
-        dropped = dropped[dropped < out.shape[1]]
+            out[b].index_copy_(0, ids, z)
+        dropped = self._mask(self.main, out.shape[1])[1]
         if len(dropped):
-            out[:, dropped] = float("-inf")
+            out.index_fill_(1, dropped, float("-inf"))
         out = torch.log_softmax(out, dim=-1)
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
