@@ -379,7 +379,7 @@ def main() -> None:
                 f"compute {dtype_name(again.matrices[0].compute_dtype)}")
         variants = {
             name: (fp16, *sup, "adam"),
-            "mass 0.99, ≤ 32 rows": (fp16, 0.99, 32, "adam"),
+            "mass 0.999, ≤ 64 rows": (fp16, 0.999, 64, "adam"),
             "mass 0.95, ≤ 16 rows": (fp16, 0.95, 16, "adam"),
             "mass 0.9999, ≤ 128 rows": (fp16, 0.9999, 128, "adam"),
             "gd (Eq. 7 as written), default support": (fp16, *sup, "gd"),
