@@ -39,8 +39,8 @@ Requests:
   whole string, conditioned on the member's BOS token (else its EOS token), as lm-eval's
   ``prefix_token_id``. The string is not split into windows: it must fit each member's context.
 
-An empty context is conditioned on the member's BOS/EOS token in the same way (text level, also
-when ``loglikelihood=token``, because the engine needs a non-empty prompt for every member).
+An empty context is conditioned on the member's BOS/EOS token in the same way (the engine's
+``Member.encode_prompt`` encodes an empty prompt as that one id).
 """
 
 from __future__ import annotations
