@@ -67,6 +67,12 @@ class StepView:
         """Member ``i``'s distribution mapped into the union (``float32[R, U]``), timed as alignment."""
         return self.ens.project(i, self.logprobs[i])
 
+    def live_weights(self) -> list[tuple[int, float]]:
+        """The computed members with a positive weight and their normalised weights."""
+        live = [(i, w) for i, w in zip(self.members, self.weights) if w > 0]
+        total = sum(w for _, w in live)
+        return [(i, w / total) for i, w in live]
+
     def token_logprobs(self, i: int, ids: torch.Tensor) -> torch.Tensor:
         """Member ``i``'s log-probabilities of named ids ``int64[R, n]`` (the member contract)."""
         return self.ens.members[i].token_logprobs(self.states[i], ids)
@@ -109,16 +115,14 @@ class Combiner(ABC):
         """
         ens = view.ens
         out = torch.zeros(view.rows, dtype=torch.float64)
-        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
-        total = sum(w for _, w in live)
-        for i, w in live:
+        for i, w in view.live_weights():
             lp = view.logprobs[i]
             text = ens.projector.maps[i][: lp.shape[-1]] >= 0
             norm = torch.where(text, lp, torch.full_like(lp, float("-inf"))).logsumexp(-1)
             for r, e in enumerate(entries):
                 ids = ens.aligner.query_ids(i, e)
                 if ids:
-                    out[r] += w / total * float((lp[r, ids] - norm[r]).exp().sum())
+                    out[r] += w * float((lp[r, ids] - norm[r]).exp().sum())
         return out
 
     def describe(self) -> dict[str, Any]:

@@ -90,20 +90,17 @@ class UniTE(Combiner):
         index = torch.zeros(len(cands), width, dtype=torch.int64)
         for r, c in enumerate(cands):
             index[r, : len(c)] = torch.tensor(c)
-        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
-        total = sum(w for _, w in live)
-        probs = np.zeros((len(cands), width))
-        for i, w in live:
-            probs += (w / total) * self.member_probs(view, i, cands)
-        return Dist(torch.from_numpy(probs.astype(np.float32)), index)
+        return Dist(torch.from_numpy(self.average(view, cands).astype(np.float32)), index)
+
+    def average(self, view: StepView, cands: list[list[int]]) -> np.ndarray:
+        """The weighted average of the members' aligned, renormalised probabilities ``[R, C]``."""
+        probs = np.zeros((len(cands), max(len(c) for c in cands)))
+        for i, w in view.live_weights():
+            probs += w * self.member_probs(view, i, cands)
+        return probs
 
     def piece_probs(self, view: StepView, entries) -> torch.Tensor:
         """A given entry's probability: it joins each row's candidates, then as in ``combine``."""
         cands = [sorted(set(c) | {e}) for c, e in zip(self.candidates(view), entries)]
-        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
-        total = sum(w for _, w in live)
-        out = np.zeros(len(cands))
-        for i, w in live:
-            p = self.member_probs(view, i, cands)
-            out += (w / total) * np.array([p[r, c.index(e)] for r, (c, e) in enumerate(zip(cands, entries))])
-        return torch.from_numpy(out)
+        probs = self.average(view, cands)
+        return torch.from_numpy(np.array([probs[r, c.index(e)] for r, (c, e) in enumerate(zip(cands, entries))]))
