@@ -67,8 +67,10 @@ def test_rollback_equals_fresh_prefill(llamacpp_members, family):
     m.release(fresh_state)
 
 
-def test_llamacpp_ensemble_in_sync_and_batch_equals_single(llamacpp_members):
+def test_llamacpp_ensemble_in_sync_and_batch_equals_single(llamacpp_members, monkeypatch):
     members = list(llamacpp_members.values())
+    for m in members:  # exact equality holds without prefix reuse (reuse changes the split of a prefill)
+        monkeypatch.setattr(m, "prefix_cache", False)
     ens = Ensemble(members)
     batch = ens.generate(PROMPTS, max_new_tokens=N)
     for prompt, g in zip(PROMPTS, batch):
@@ -76,6 +78,80 @@ def test_llamacpp_ensemble_in_sync_and_batch_equals_single(llamacpp_members):
         assert alone.output == g.output
         for m in members:
             assert m.codec.decode(g.member_ids[m.name]) == g.output
+
+
+CONTEXT = "Question: Which of these is a mammal? Options: whale, shark, trout, squid.\nAnswer:"
+OPTIONS = [" whale", " shark", " trout", " squid"]
+
+
+def _fresh(m, text):
+    st = m.new_state(m.encode_prompt(text))
+    saved, m.prefix_cache = m.prefix_cache, False
+    try:
+        return m.next_logprobs([st])[0]
+    finally:
+        m.release(st)
+        m.prefix_cache = saved
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
+def test_prefix_cache_reuses_a_released_sequences_prefix(llamacpp_members, family):
+    m = llamacpp_members[family]
+    first = m.new_state(m.encode_prompt(CONTEXT + OPTIONS[0]))
+    m.next_logprobs([first])
+    m.release(first)
+    ids = m.encode_prompt(CONTEXT + OPTIONS[1])
+    shared = next(i for i, (a, b) in enumerate(zip(first.all_ids(), ids)) if a != b)
+    before = dict(m.prefix_stats)
+    st = m.new_state(ids)
+    reused = m.next_logprobs([st])[0]
+    m.release(st)
+    assert m.prefix_stats["reused"] == before["reused"] + 1
+    assert m.prefix_stats["fed"] - before["fed"] == len(ids) - shared  # only the differing tail is fed
+    fresh = _fresh(m, CONTEXT + OPTIONS[1])
+    assert (reused.exp() - fresh.exp()).abs().max().item() <= ROLLBACK_TOL
+    assert int(reused.argmax()) == int(fresh.argmax())
+
+
+def test_prefix_cache_copies_a_live_sequences_cache(llamacpp_members):
+    """Options of one question forwarded together: the first is prefilled, the others copy its cache."""
+    m = llamacpp_members["gemma3"]
+    states = [m.new_state(m.encode_prompt(CONTEXT + o)) for o in OPTIONS]
+    before = dict(m.prefix_stats)
+    out = m.next_logprobs(states)
+    for st in states:
+        m.release(st)
+    assert m.prefix_stats["copied"] - before["copied"] >= len(OPTIONS) - 1
+    for o, lp in zip(OPTIONS, out):
+        fresh = _fresh(m, CONTEXT + o)
+        assert (lp.exp() - fresh.exp()).abs().max().item() <= ROLLBACK_TOL
+        assert int(lp.argmax()) == int(fresh.argmax())
+
+
+def test_prefix_cache_keeps_only_ids_still_valid_after_a_rollback(llamacpp_members):
+    m = llamacpp_members["smollm2"]
+    prompt = m.encode_prompt(CONTEXT)
+    st = m.new_state(prompt)
+    st.ids = m.codec.encode_text(" whale and shark")
+    m.next_logprobs([st])
+    st.ids = m.codec.encode_text(" trout")  # re-sync replaced the output; only the prompt is still valid
+    st.n_valid = len(prompt)
+    slot = st.cache
+    m.release(st)
+    assert slot.ids == prompt and slot.n == len(prompt)
+
+
+def test_without_prefix_cache_every_sequence_is_prefilled_exactly(llamacpp_members, monkeypatch):
+    m = llamacpp_members["qwen"]
+    monkeypatch.setattr(m, "prefix_cache", False)
+    ids = m.encode_prompt(CONTEXT + OPTIONS[2])
+    runs, fed = [], m.prefix_stats["fed"]
+    for _ in range(2):
+        st = m.new_state(ids)
+        runs.append(m.next_logprobs([st])[0])
+        m.release(st)
+    assert m.prefix_stats["fed"] - fed == 2 * len(ids)
+    assert bool((runs[0] == runs[1]).all())
 
 
 def test_sequential_and_parallel_forward_agree(llamacpp_members):

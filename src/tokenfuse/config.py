@@ -38,6 +38,7 @@ class MemberConfig(_Strict):
     n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
     n_threads: int | None = Field(None, ge=1)  # llamacpp: threads (default: all cores)
     multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
+    prefix_cache: bool = True  # llamacpp: a new sequence reuses the cached keys/values of a shared prefix
     score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member
     # backend openai: a model behind an OpenAI-compatible server (docs/serving.md)
     base_url: str | None = None  # e.g. http://127.0.0.1:8080/v1

@@ -65,7 +65,8 @@ def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool =
                                   "set `backend: transformers` for a model directory or hub id")
             tok_dir = None
         return load_llamacpp_member(cfg.name, gguf, tokenizer_dir=tok_dir, weight=cfg.weight, n_ctx=cfg.n_ctx,
-                                    n_threads=cfg.n_threads, multi_seq=cfg.multi_seq, align_cache=root / "alignment",
+                                    n_threads=cfg.n_threads, multi_seq=cfg.multi_seq, prefix_cache=cfg.prefix_cache,
+                                    align_cache=root / "alignment",
                                     tokenizer_cache=root / "tokenizers")
 
     from tokenfuse.members.transformers import load_transformers_member

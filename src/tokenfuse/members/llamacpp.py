@@ -35,6 +35,9 @@ PIP_LLAMACPP = 'pip install "llama-cpp-python==0.3.36"'
 # file descriptors; two threads doing that at once leave them pointing at /dev/null for good.
 # Model and context creation therefore take this lock (members may be loaded in threads).
 _LOAD_LOCK = threading.Lock()
+# A live sequence's cache is copied for a new one only when that saves more than this many ids
+# over the best pooled context (copying costs about as much as feeding a few ids).
+COPY_MIN = 16
 
 
 def import_llama_cpp():
@@ -60,6 +63,22 @@ class _Slot:
         self.ctx = ctx
         self.batch = batch
         self.n = 0  # positions in the cache
+        self.owner: SeqState | None = None  # the live sequence using it; None while pooled
+        self.ids: list[int] = []  # while pooled: the ids its cache still holds (prefix reuse)
+
+    def cached_ids(self) -> list[int]:
+        """Ids whose keys and values the cache holds correctly (a prefix of what was fed)."""
+        if self.owner is None:
+            return self.ids
+        return self.owner.all_ids()[: min(self.owner.n_valid, self.n)]
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    if n <= 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
 
 
 class LlamaCppMember(Member):
@@ -67,7 +86,8 @@ class LlamaCppMember(Member):
 
     def __init__(self, name: str, gguf_path: str | os.PathLike, tokenizer: Any, *, weight: float = 1.0,
                  n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512, multi_seq: int = 0,
-                 content_hash: str | None = None, align_cache: Path | None = None) -> None:
+                 prefix_cache: bool = True, content_hash: str | None = None,
+                 align_cache: Path | None = None) -> None:
         llama_cpp = import_llama_cpp()
         from llama_cpp import Llama
 
@@ -85,7 +105,10 @@ class LlamaCppMember(Member):
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
         self.n_vocab = self.llm.n_vocab()
-        self._free: list[_Slot] = [self._new_slot(self.llm._ctx)]
+        self._free: list[_Slot] = [self._new_slot(self.llm._ctx)]  # pooled contexts, least recently used first
+        self._busy: list[_Slot] = []
+        self.prefix_cache = prefix_cache
+        self.prefix_stats = {"sequences": 0, "reused": 0, "copied": 0, "fed": 0}
         # multi_seq > 0: all sequences share one context with that many sequence ids, and a step
         # decodes every sequence's new tokens in one llama.cpp batch (see README: measured slower).
         self.multi_seq = multi_seq
@@ -169,19 +192,66 @@ class LlamaCppMember(Member):
             queue = rest
         return [out[id(st)] for st in states]
 
+    def _acquire(self, st: SeqState) -> _Slot:
+        """A context for a new sequence; with ``prefix_cache``, the one whose cache shares the longest
+        prefix with the sequence's ids (a pooled context as is, or a live one's cache copied)."""
+        ids = st.all_ids()
+        limit = len(ids) - 1  # at least one id is fed, for the logits
+        st.n_valid = 0
+        self.prefix_stats["sequences"] += 1
+        if not self.prefix_cache:
+            slot = self._free.pop() if self._free else self._new_slot()
+            slot.ctx.kv_cache_seq_rm(0, 0, -1)
+            slot.n = 0
+        else:
+            pooled = [_common_prefix(sl.ids, ids, limit) for sl in self._free]
+            best = int(np.argmax(pooled)) if pooled else -1
+            reuse = pooled[best] if pooled else 0
+            live = [(_common_prefix(sl.cached_ids(), ids, limit), sl) for sl in self._busy]
+            donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
+            if donor is not None and donor_n > reuse + COPY_MIN:
+                # copy the live context's cache into the least recently used pooled context
+                slot = self._free.pop(0) if self._free else self._new_slot()
+                if self._copy_cache(donor, slot):
+                    reuse = donor_n
+                    self.prefix_stats["copied"] += 1
+                else:
+                    reuse = 0
+            elif reuse > 0:
+                slot = self._free.pop(best)
+            else:
+                slot = self._free.pop(0) if self._free else self._new_slot()
+            if reuse > 0:
+                self.prefix_stats["reused"] += 1
+            st.n_valid = reuse  # the forward crops the cache to this and feeds the rest
+        slot.owner, slot.ids = st, []
+        self._busy.append(slot)
+        return slot
+
+    def _copy_cache(self, src: _Slot, dst: _Slot) -> bool:
+        """Copy ``src``'s whole cache into ``dst`` (llama.cpp's sequence state); False if it failed."""
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(src.ctx.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        got = lib.llama_state_seq_get_data(src.ctx.ctx, buf, size, 0)
+        dst.ctx.kv_cache_seq_rm(0, 0, -1)
+        ok = got > 0 and lib.llama_state_seq_set_data(dst.ctx.ctx, buf, got, 0) == got
+        dst.n = src.n if ok else 0
+        if not ok:
+            dst.ctx.kv_cache_seq_rm(0, 0, -1)
+        return ok
+
     def _forward(self, st: SeqState) -> torch.Tensor:
         slot: _Slot = st.cache
         if slot is None:
-            slot = st.cache = self._free.pop() if self._free else self._new_slot()
-            slot.ctx.kv_cache_clear()
-            slot.n = 0
-            st.n_valid = 0
+            slot = st.cache = self._acquire(st)
         if slot.n > st.n_valid:
             if not slot.ctx.kv_cache_seq_rm(0, st.n_valid, -1):  # cannot cut here: start over
                 slot.ctx.kv_cache_seq_rm(0, 0, -1)
                 st.n_valid = 0
             slot.n = st.n_valid
         new = st.all_ids()[st.n_valid :]
+        self.prefix_stats["fed"] += len(new)
         for i in range(0, len(new), self.n_batch):
             chunk = new[i : i + self.n_batch]
             b = slot.batch.batch
@@ -191,6 +261,7 @@ class LlamaCppMember(Member):
             b.n_tokens = len(chunk)
             slot.ctx.decode(slot.batch)
             slot.n += len(chunk)
+        st.n_valid = slot.n  # already now, so a sequence acquired later in this batch can copy it
         return self._logprobs(slot.ctx, len(chunk) - 1)
 
     def _logprobs(self, ctx: Any, i: int) -> torch.Tensor:
@@ -205,15 +276,19 @@ class LlamaCppMember(Member):
             state.cache = None
         slot = state.cache
         if isinstance(slot, _Slot):
-            slot.ctx.kv_cache_seq_rm(0, 0, -1)
-            slot.n = 0
+            keep = min(slot.n, state.n_valid) if self.prefix_cache else 0
+            slot.ids = state.all_ids()[:keep]
+            if slot.n > keep:
+                slot.ctx.kv_cache_seq_rm(0, keep, -1)
+            slot.n, slot.owner = keep, None
+            self._busy.remove(slot)
             self._free.append(slot)
         super().release(state)
 
 
 def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
                          weight: float = 1.0, n_ctx: int = 4096, n_threads: int | None = None, multi_seq: int = 0,
-                         align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
+                         prefix_cache: bool = True, align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
     """Load a GGUF with llama.cpp; its tokenizer comes from ``tokenizer_dir`` (tokenizer.json) or,
     when not given, is built once from the GGUF by transformers and cached in ``tokenizer_cache``."""
     import hashlib
@@ -236,6 +311,6 @@ def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_d
     tj = Path(tokenizer_dir) / "tokenizer.json"
     content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if tj.is_file() else None
     member = LlamaCppMember(name, path, tokenizer, weight=weight, n_ctx=n_ctx, n_threads=n_threads,
-                            multi_seq=multi_seq, content_hash=content_hash, align_cache=align_cache)
+                            multi_seq=multi_seq, prefix_cache=prefix_cache, content_hash=content_hash, align_cache=align_cache)
     member.load_seconds = time.perf_counter() - t0
     return member
