@@ -513,6 +513,24 @@ def test_chat_with_and_without_template(build, trio, tokenizers):
     # a batch of conversations
     batch = ens.generate([msgs, user], max_new_tokens=N)
     assert [x.output for x in batch] == [g.output, ens.generate(user, max_new_tokens=N).output]
+
+
+def test_two_form_prompt_gives_each_member_its_own_form(build, trio):
+    from tokenfuse import TwoFormPrompt
+
+    a, _, c = trio  # a has a chat template, c has none
+    msgs = [{"role": "user", "content": "Q: 2+2?"}]
+    raw = "Question: 2+2?\nAnswer:"
+    ens = build([a, c])
+    seqs: list = []
+    for _ in ens.steps([TwoFormPrompt(msgs, raw)], max_new_tokens=1, sampling=Sampling(), _seqs=seqs):
+        pass
+    text, _ = a.render_chat(msgs)
+    assert seqs[0].states[0].prompt_ids == a.encode_prompt(text, templated=True)
+    assert seqs[0].states[1].prompt_ids == c.encode_prompt(raw)  # not the plain "User: ..." rendering
+    g = ens.generate(TwoFormPrompt(msgs, raw), max_new_tokens=N)  # a single prompt, not a batch
+    assert g.steps == N
+    in_sync(ens, g)
     # without a template the chat prompt is exactly the documented plain rendering
     only_c = build([c])
     assert only_c.generate(msgs, max_new_tokens=N).output == only_c.generate(plain_chat(msgs), max_new_tokens=N).output

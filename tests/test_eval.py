@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tokenfuse.engine.generate import Likelihood
 from tokenfuse.config import config_from_models
 from tokenfuse.eval.methods import answer_key, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.report import markdown_table, summarise
@@ -64,7 +65,9 @@ def test_parse_and_plan_methods():
     assert gen[3].overrides["gate"] == "smollm2-135m-instruct" and gen[3].overrides["threshold"] == 0.5
     assert any("deepen: skipped" in m for m in logs)
     lik = plan_methods(cfg, ["gac", "gac-threshold", "mbr"], form="likelihood", registered=["gac"], log=logs.append)
-    assert [s.name for s in lik] == ["single:smollm2-135m-instruct", "single:gemma3-270m", "gac", "mbr", "seq-avg"]
+    assert [s.name for s in lik] == ["single:smollm2-135m-instruct", "single:gemma3-270m", "gac", "gac-threshold",
+                                     "mbr", "seq-avg"]
+    assert lik[3].overrides["gate"] == "smollm2-135m-instruct"
 
 
 # ---------------------------------------------------------------------------------------- table
@@ -164,7 +167,7 @@ def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monk
     gac_file.write_text(lines[0] + "\n" + lines[1][:10], encoding="utf-8")
     calls = []
     monkeypatch.setattr(Ensemble, "loglikelihood", lambda self, reqs, **k: calls.append(len(reqs)) or
-                        [type("L", (), {"logprob": -1.0, "bytes": 3, "pieces": 1})()] * len(reqs))
+                        [Likelihood(-1.0, 1, 3, 1)] * len(reqs))
     run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
     assert len(calls) == 1
     assert len(read_ids(gac_file)) == 2
@@ -182,3 +185,14 @@ def test_cli_eval_errors_are_one_line(capsys):
     assert main(["eval", "--methods", "single,mbrr", "--data", "/nonexistent"]) == 2
     assert "did you mean 'mbr'" in capsys.readouterr().err
     assert main(["eval", "--limit", "0"]) == 2
+
+
+def test_prompt_form_follows_the_members_templates():
+    from tokenfuse.eval.runner import prompt_form
+
+    def member(template):
+        return type("M", (), {"tokenizer": type("T", (), {"chat_template": template})()})()
+
+    assert prompt_form([member("{{x}}"), member("{{y}}")]) is True
+    assert prompt_form([member(None)]) is False
+    assert prompt_form([member("{{x}}"), member(None)]) == "mixed"

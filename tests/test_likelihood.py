@@ -75,3 +75,17 @@ def test_empty_context_starts_from_bos_or_eos(make_tiny, one_thread):
     got = Ensemble(ms).loglikelihood([("", "Hello world")])[0]
     assert math.isfinite(got.logprob) and got.logprob < 0
     assert Ensemble(ms).generate("", max_new_tokens=3).steps >= 1
+
+
+def test_gated_likelihood_is_the_gates_where_confident_and_gacs_elsewhere(make_tiny, one_thread):
+    ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2), make_tiny("qwen", seed=3)]
+    gate = ms[1].name
+    requests = [(CONTEXT, c) for c in CONTS]
+    alone = Ensemble([ms[1]]).loglikelihood(requests)
+    full = Ensemble(ms, primary=gate).loglikelihood(requests)
+    always = Ensemble(ms, primary=gate, gate=gate, threshold=0.0).loglikelihood(requests)  # gate always sure
+    never = Ensemble(ms, primary=gate, gate=gate, threshold=1.0).loglikelihood(requests)  # gate never sure
+    assert [x.logprob for x in always] == pytest.approx([x.logprob for x in alone], abs=1e-5)
+    assert [x.logprob for x in never] == pytest.approx([x.logprob for x in full], abs=1e-5)
+    assert [x.ensembled for x in always] == [0] * len(CONTS)
+    assert [x.ensembled for x in never] == [x.pieces for x in never] == [x.ensembled for x in full]

@@ -104,6 +104,9 @@ def test_gsm8k_prompts():
         user("Question: Tom has 3 apples and buys 4 more. How many apples does he have?"),
     ]
     assert t.stop() == ["\n\n", "Question:"] and t.stop(chat=True) == ["Question:"] and t.max_new_tokens == 256
+    both = t.prompt(it, chat="mixed")  # an ensemble of members with and without a chat template
+    assert both.messages == t.prompt(it, chat=True) and both.raw == t.prompt(it)
+    assert t.stop(chat="mixed") == ["Question:"]  # the raw form's blank-line stop would cut chat reasoning
     assert len(task("gsm8k").shots(it)) == 3  # default 5 shots, capped by the 3-item fixture pool
     assert task("gsm8k", num_fewshot=0).prompt(it) == (
         "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:")
@@ -218,6 +221,7 @@ def test_bbh_prompts_reproduce_the_official_prompt():
         user("Q: not ( False ) is"),
     ]
     assert t.stop() == ["\n\n", "\nQ:"] and t.stop(chat=True) == ["\n\nQ:"]
+    assert t.stop(chat="mixed") == ["\n\nQ:", "\nQ:"]
     assert split_cot_prompt(official) == ("Evaluate a tiny Boolean expression.", [
         ("not True is", "\nnot True = False. So the answer is False."),
         ("True or False is", "\nTrue or False = True. So the answer is True."),

@@ -1,6 +1,6 @@
 """tokenfuse: several LLMs with different tokenizers generating as one model, token by token."""
 
-from tokenfuse.engine.generate import Ensemble, Generation, StepEvent
+from tokenfuse.engine.generate import Ensemble, Generation, StepEvent, TwoFormPrompt
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.errors import ConfigError, ModelNotInstalledError, TokenfuseError
 
@@ -14,5 +14,6 @@ __all__ = [
     "Sampling",
     "StepEvent",
     "TokenfuseError",
+    "TwoFormPrompt",
     "__version__",
 ]

@@ -26,7 +26,19 @@ from tokenfuse.engine.sync import _incomplete_tail, append_token, in_step, resyn
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member, SeqState
 
-Prompt = str | Sequence[dict]
+
+
+@dataclass(frozen=True)
+class TwoFormPrompt:
+    """One prompt in two forms: ``messages`` for members with a chat template (each renders them
+    with its own template) and ``raw`` text for members without one (base models), instead of
+    the plain ``"User: …\n\nAssistant:"`` rendering those would otherwise get."""
+
+    messages: Sequence[dict]
+    raw: str
+
+
+Prompt = str | Sequence[dict] | TwoFormPrompt
 STAGES = ("forward", "align", "combine", "choose", "resync")
 
 
@@ -75,6 +87,7 @@ class Likelihood:
     logprob: float
     pieces: int
     bytes: int
+    ensembled: int = 0  # pieces scored by more than one member (fewer than ``pieces`` when gated)
 
     @property
     def per_byte(self) -> float:
@@ -233,6 +246,9 @@ class Ensemble:
         for m in self.members:
             if isinstance(messages, str):
                 ids = m.encode_prompt(messages)
+            elif isinstance(messages, TwoFormPrompt):
+                text, templated = m.render_chat(messages.messages)
+                ids = m.encode_prompt(text, templated=True) if templated else m.encode_prompt(messages.raw)
             else:
                 text, templated = m.render_chat(messages)
                 ids = m.encode_prompt(text, templated=templated)
@@ -290,6 +306,10 @@ class Ensemble:
         joins the top-k candidates). The result is the sum of the pieces' log-probabilities; a
         member alone (or copies of one member) gives exactly that member's own likelihood of its
         tokens, each renormalised over its text + END ids.
+
+        Thresholded GaC (``gate``/``threshold``) gates each piece as in generation: where the gate
+        member's top probability is above the threshold, the piece's probability is the gate's
+        alone; elsewhere the group's combination. ``Likelihood.ensembled`` counts the latter.
         """
         seqs = [self.open(ctx, chat=chat, index=k) for k, (ctx, _) in enumerate(requests)]
         primary = self.members[self.primary]
@@ -297,21 +317,25 @@ class Ensemble:
         for _, cont in requests:
             ids = primary.codec.encode_text(cont)
             cuts.append([int(self.union.maps[self.primary][t]) for t in ids])
-        totals = [0.0] * len(seqs)
-        run = [i for i, m in enumerate(self.members) if m.weight > 0]
+        totals, ensembled = [0.0] * len(seqs), [0] * len(seqs)
         try:
             for j in range(max((len(c) for c in cuts), default=0)):
                 rows = [k for k in range(len(seqs)) if j < len(cuts[k])]
                 active = [seqs[k] for k in rows]
-                outs = self._forward_many(run, active)
-                view = StepView(ens=self, states={i: [s.states[i] for s in active] for i in run}, members=run,
-                                weights=[self.members[i].weight for i in run])
-                for i in run:
-                    (view.topk if self.combiner.needs == "topk" else view.logprobs)[i] = outs[i]
                 entries = [cuts[k][j] for k in rows]
-                t = time.perf_counter()
-                probs = self.combiner.piece_probs(view, entries).tolist()
-                self.timings["combine"] += time.perf_counter() - t
+                probs: list[float] = [0.0] * len(active)
+                for group, members in self._groups(active):
+                    outs = self._forward_many(members, [active[r] for r in group])
+                    view = StepView(ens=self, states={i: [active[r].states[i] for r in group] for i in members},
+                                    members=members, weights=[self.members[i].weight for i in members])
+                    for i in members:
+                        (view.topk if self.combiner.needs == "topk" else view.logprobs)[i] = outs[i]
+                    t = time.perf_counter()
+                    got = self.combiner.piece_probs(view, [entries[r] for r in group]).tolist()
+                    self.timings["combine"] += time.perf_counter() - t
+                    for r, p in zip(group, got):
+                        probs[r] = p
+                        ensembled[rows[r]] += len(members) > 1
                 for k, s, u, p in zip(rows, active, entries, probs):
                     totals[k] += math.log(p) if p > 0 else float("-inf")
                     before = len(s.output)
@@ -321,35 +345,39 @@ class Ensemble:
         finally:
             for s in seqs:
                 self.close(s)
-        return [Likelihood(lp, len(c), len(cont.encode("utf-8"))) for lp, c, (_, cont) in zip(totals, cuts, requests)]
+        return [Likelihood(lp, len(c), len(cont.encode("utf-8")), e)
+                for lp, c, e, (_, cont) in zip(totals, cuts, ensembled, requests)]
 
     # ------------------------------------------------------------------ stages
     def _decide(self, active: list[Seq]) -> list[tuple[int, bool, bool]]:
         """Per sequence: (chosen union entry, ensembled, decided by agreement skip)."""
-        weights = [m.weight for m in self.members]
-        run = [i for i, w in enumerate(weights) if w > 0]
-        if self.gate is None:
-            groups = [(list(range(len(active))), run)]
-        else:
-            g = self.gate
-            out = self._forward_many([g], active)[g]
-            top = out.max(dim=-1).values if isinstance(out, torch.Tensor) else out[0][:, 0]
-            confident = (top.exp() > self.threshold).tolist()
-            sure = [r for r, c in enumerate(confident) if c]
-            unsure = [r for r, c in enumerate(confident) if not c]
-            others = [i for i in run if i != g]
-            groups = [(sure, [g])] if sure else []
-            if unsure:
-                groups.append((unsure, sorted(set(others) | ({g} if weights[g] > 0 else set())) or [g]))
         decisions: list[tuple[int, bool, bool] | None] = [None] * len(active)
-        for rows, members in groups:
-            if not rows:
-                continue
+        for rows, members in self._groups(active):
             seqs = [active[r] for r in rows]
             outs = self._forward_many(members, seqs)
             for r, d in zip(rows, self._decide_group(seqs, members, outs)):
                 decisions[r] = d
         return decisions
+
+    def _groups(self, active: list[Seq]) -> list[tuple[list[int], list[int]]]:
+        """Rows of ``active`` and the members that decide them: all weighted members, or with a gate
+        (GaC Eq. 5) the gate alone where its top probability is above the threshold and the
+        weighted members (the gate among them if weighted) elsewhere."""
+        weights = [m.weight for m in self.members]
+        run = [i for i, w in enumerate(weights) if w > 0]
+        if self.gate is None:
+            return [(list(range(len(active))), run)]
+        g = self.gate
+        out = self._forward_many([g], active)[g]
+        top = out.max(dim=-1).values if isinstance(out, torch.Tensor) else out[0][:, 0]
+        confident = (top.exp() > self.threshold).tolist()
+        sure = [r for r, c in enumerate(confident) if c]
+        unsure = [r for r, c in enumerate(confident) if not c]
+        others = [i for i in run if i != g]
+        groups = [(sure, [g])] if sure else []
+        if unsure:
+            groups.append((unsure, sorted(set(others) | ({g} if weights[g] > 0 else set())) or [g]))
+        return groups
 
     def _decide_group(self, seqs: list[Seq], members: list[int], outs: dict) -> list[tuple[int, bool, bool]]:
         ens = len(members) > 1
@@ -526,7 +554,7 @@ class Ensemble:
 
 
 def _is_single(prompts) -> bool:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, TwoFormPrompt)):
         return True
     return bool(prompts) and isinstance(prompts[0], dict)  # one chat conversation
 

@@ -18,8 +18,8 @@ model time (the ``single`` rows are run for them even when ``single`` is not ask
 
 Likelihood form: ``vote`` takes the members' chosen options (per-byte normalised, or raw for the
 raw accuracy); ``mbr`` picks among the members' chosen option texts by chrF, which for one word
-options is close to the vote; ``gac-threshold`` is skipped (teacher forcing has no gate decision
-in the engine: it would equal ``gac``).
+options is close to the vote; ``gac-threshold`` gates each scored piece as in generation (the
+gate's probability alone where it is confident, see ``Ensemble.loglikelihood``).
 """
 
 from __future__ import annotations
@@ -93,9 +93,6 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
         combiner = "gac" if n == "gac-threshold" else n
         if combiner not in registered:
             log(f"{n}: skipped (no combiner {combiner!r} is registered; available: {', '.join(sorted(registered))})")
-            continue
-        if n == "gac-threshold" and form == "likelihood":
-            log("gac-threshold: skipped in the likelihood form (teacher forcing has no gate decision; it equals gac)")
             continue
         if n == "gac-threshold":
             gate = cfg.gate or primary

@@ -8,7 +8,7 @@ average and the latency): ``method | task … | Avg. | Δ best | ms/token | ens.
 * ``Δ best``: ``Avg.`` minus the best single member's ``Avg.`` (the member with the highest
   average; per task in the second table);
 * ``ms/token``: generate-form wall time divided by generated pieces; ``ens. %``: share of
-  generated pieces where more than one member was computed; ``items/min``: all items of the row
+  generated and scored (likelihood form) pieces where more than one member was computed; ``items/min``: all items of the row
   divided by their wall time. Output-level rows (vote, MBR, seq-avg) cost no model time of their
   own: ``—``.
 
@@ -43,9 +43,10 @@ def method_summary(records: Sequence[dict], *, form: str) -> dict:
         out["seconds"] = secs
         out["items_per_min"] = len(records) / secs * 60
         out["steps"] = steps
+        if steps and any("ensembled" in r for r in records):
+            out["ensembled_share"] = sum(r.get("ensembled", 0) for r in records) / steps
         if form == "generate" and steps:
             out["ms_per_token"] = 1000 * secs / steps
-            out["ensembled_share"] = sum(r.get("ensembled", 0) for r in records) / steps
             out["skip_share"] = sum(r.get("skipped", 0) for r in records) / max(
                 sum(r.get("ensembled", 0) for r in records), 1)
     return out
@@ -70,13 +71,15 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
         secs = sum(c.get("seconds", 0.0) for c in cells)
         gen = [c for c in cells if "ms_per_token" in c]
         gen_steps = sum(c["steps"] for c in gen)
+        ens = [c for c in cells if c.get("ensembled_share") is not None]
+        ens_steps = sum(c["steps"] for c in ens)
         overview[m] = {
             "avg": _mean([c["acc"] for c in cells]) if len(cells) == len(tasks) else float("nan"),
             "items": sum(c["n"] for c in cells),
             "seconds": secs,
             "items_per_min": sum(c["n"] for c in cells) / secs * 60 if secs else None,
             "ms_per_token": 1000 * sum(c["seconds"] for c in gen) / gen_steps if gen_steps else None,
-            "ensembled_share": (sum(c["ensembled_share"] * c["steps"] for c in gen) / gen_steps) if gen_steps else None,
+            "ensembled_share": (sum(c["ensembled_share"] * c["steps"] for c in ens) / ens_steps) if ens_steps else None,
         }
     singles = [m for m in methods if m.startswith("single:")]
     best = max(singles, key=lambda m: overview[m]["avg"]) if singles else None

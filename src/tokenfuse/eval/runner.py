@@ -8,11 +8,11 @@ aggregate, with bootstrap 95 % intervals, into ``results.json``, ``results.md`` 
 
 Forms:
 
-* ``generate`` — greedy generation, graded by the task (``Task.score``). Prompt form per method:
-  a member alone gets the chat form if its tokenizer has a chat template, the raw form otherwise
-  (as ``tokenfuse select``); an ensemble gets the chat form when any member has a template — each
-  member renders the messages with its own template, a member without one gets the engine's plain
-  rendering ``"User: …\\n\\nAssistant:"``.
+* ``generate`` — greedy generation, graded by the task (``Task.score``). Prompt form per member:
+  the chat form (its own template) if its tokenizer has a chat template, the raw few-shot form
+  otherwise — alone (as ``tokenfuse select``) and inside an ensemble alike. An ensemble whose
+  members differ gets a ``TwoFormPrompt`` (``chat="mixed"``) and the stop strings of
+  ``Task.stop(chat="mixed")``.
 * ``likelihood`` (multiple-choice tasks; the default for them) — every option's continuation is
   scored under the method (``Ensemble.loglikelihood``: the token-level ensemble, teacher forced) on
   the raw cloze context (``Task.cloze``); the prediction is the option with the highest
@@ -77,6 +77,15 @@ def has_chat_template(member) -> bool:
     return bool(getattr(member.tokenizer, "chat_template", None))
 
 
+def prompt_form(members) -> bool | str:
+    """``True`` (chat) if every member has a chat template, ``False`` (raw) if none has, else
+    ``"mixed"`` (each member gets its own form)."""
+    from tokenfuse.tasks.base import MIXED
+
+    flags = {has_chat_template(m) for m in members}
+    return MIXED if len(flags) > 1 else flags.pop()
+
+
 # ---------------------------------------------------------------------------------------- engine rows
 def generate_records(ens, task, items: Sequence[dict], *, chat: bool, max_new_tokens: int) -> list[dict]:
     """Greedy generation for one batch, graded; one record per item."""
@@ -127,7 +136,8 @@ def likelihood_records(ens, task, items: Sequence[dict]) -> list[dict]:
         ls = liks[k:k + n]
         k += n
         out.append(cloze_record(it["id"], c.gold, c.continuations, [x.logprob for x in ls], [x.bytes for x in ls],
-                                steps=sum(x.pieces for x in ls), seconds=round(per_item, 4)))
+                                steps=sum(x.pieces for x in ls), ensembled=sum(x.ensembled for x in ls),
+                                seconds=round(per_item, 4)))
     return out
 
 
@@ -214,7 +224,7 @@ def run_task(cfg, members, union, task, specs: Sequence[MethodSpec], settings: E
             append_records(path, new)
         elif todo:
             ens = build_variant(cfg, members, spec, union=union, progress=settings.progress)
-            chat = any(has_chat_template(m) for m in ens.members) if form == "generate" else False
+            chat = prompt_form(ens.members) if form == "generate" else False
             bs = settings.batch_size
             if form == "likelihood":  # one item is 2-5 requests
                 bs = max(1, bs // 2)

@@ -128,6 +128,9 @@ def letters(n: int) -> str:
     return "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[:n]
 
 
+MIXED = "mixed"  # prompt form of an ensemble whose members differ in having a chat template
+
+
 class Task:
     """One benchmark: its items, prompts, generation limits and grading.
 
@@ -184,8 +187,14 @@ class Task:
         return self.target(item).strip()
 
     # ------------------------------------------------------------------ prompts
-    def prompt(self, item: Item, *, chat: bool = False) -> str | list[Message]:
-        """The prompt: raw text (``chat=False``) or a chat message list (``chat=True``)."""
+    def prompt(self, item: Item, *, chat: bool | str = False):
+        """The prompt: raw text (``chat=False``), a chat message list (``chat=True``) or, for an
+        ensemble of members with and without chat templates, both (``chat="mixed"``: a
+        ``TwoFormPrompt``; each member gets the form it would get alone)."""
+        if chat == MIXED:
+            from tokenfuse.engine.generate import TwoFormPrompt
+
+            return TwoFormPrompt(self.chat_messages(item), self.raw_prompt(item))
         return self.chat_messages(item) if chat else self.raw_prompt(item)
 
     def raw_prompt(self, item: Item) -> str:
@@ -202,8 +211,12 @@ class Task:
         messages[0] = {"role": "user", "content": self.description(item) + messages[0]["content"]}
         return messages
 
-    def stop(self, *, chat: bool = False) -> list[str]:
-        """Stop strings for generation (trimmed from the output by the engine)."""
+    def stop(self, *, chat: bool | str = False) -> list[str]:
+        """Stop strings for generation (trimmed from the output by the engine). The mixed form
+        stops on the chat form's strings plus the raw form's non-blank ones (a raw member's next
+        few-shot question); blank raw stops such as ``"\n\n"`` would cut a chat member's answer."""
+        if chat == MIXED:
+            return list(dict.fromkeys([*self.stop_chat, *(s for s in self.stop_raw if s.strip())]))
         return list(self.stop_chat if chat else self.stop_raw)
 
     # ------------------------------------------------------------------ grading
