@@ -246,11 +246,11 @@ class Ensemble:
         for m in self.members:
             if isinstance(messages, str):
                 ids = m.encode_prompt(messages)
-            elif isinstance(messages, TwoFormPrompt):
-                text, templated = m.render_chat(messages.messages)
-                ids = m.encode_prompt(text, templated=True) if templated else m.encode_prompt(messages.raw)
             else:
-                text, templated = m.render_chat(messages)
+                two = isinstance(messages, TwoFormPrompt)
+                text, templated = m.render_chat(messages.messages if two else messages)
+                if two and not templated:
+                    text = messages.raw  # a member without a template gets the raw form
                 ids = m.encode_prompt(text, templated=templated)
             states.append(m.new_state(ids))
         gen = None
@@ -325,11 +325,8 @@ class Ensemble:
                 entries = [cuts[k][j] for k in rows]
                 probs: list[float] = [0.0] * len(active)
                 for group, members in self._groups(active):
-                    outs = self._forward_many(members, [active[r] for r in group])
-                    view = StepView(ens=self, states={i: [active[r].states[i] for r in group] for i in members},
-                                    members=members, weights=[self.members[i].weight for i in members])
-                    for i in members:
-                        (view.topk if self.combiner.needs == "topk" else view.logprobs)[i] = outs[i]
+                    sub = [active[r] for r in group]
+                    view = self._view(sub, members, self._forward_many(members, sub))
                     t = time.perf_counter()
                     got = self.combiner.piece_probs(view, [entries[r] for r in group]).tolist()
                     self.timings["combine"] += time.perf_counter() - t
@@ -392,18 +389,8 @@ class Ensemble:
                     result[r] = (u, ens, True)
         self.timings["choose"] += time.perf_counter() - t
         if todo:
-            sub = [seqs[r] for r in todo]
-            pick = torch.tensor(todo)
-            view = StepView(
-                ens=self, states={i: [s.states[i] for s in sub] for i in members}, members=members,
-                weights=[self.members[i].weight for i in members],
-            )
-            for i in members:
-                o = outs[i]
-                if isinstance(o, torch.Tensor):
-                    view.logprobs[i] = o if len(todo) == len(seqs) else o[pick]
-                else:
-                    view.topk[i] = o if len(todo) == len(seqs) else (o[0][pick], o[1][pick])
+            view = self._view([seqs[r] for r in todo], members, outs,
+                              None if len(todo) == len(seqs) else torch.tensor(todo))
             t, align0 = time.perf_counter(), self.timings["align"]
             if len(members) == 1 and isinstance(outs[members[0]], torch.Tensor):
                 dist = Dist(self.project(members[0], view.logprobs[members[0]]))  # a member alone
@@ -415,6 +402,18 @@ class Ensemble:
                 result[r] = (self._choose(dist, j, seqs[r]), ens, False)
             self.timings["choose"] += time.perf_counter() - t
         return result
+
+    def _view(self, seqs: list[Seq], members: list[int], outs: dict, pick: torch.Tensor | None = None) -> StepView:
+        """The combiner's view of ``seqs`` from the members' outputs (rows ``pick`` of them, if given)."""
+        view = StepView(ens=self, states={i: [s.states[i] for s in seqs] for i in members}, members=members,
+                        weights=[self.members[i].weight for i in members])
+        for i in members:
+            o = outs[i]
+            if isinstance(o, torch.Tensor):
+                view.logprobs[i] = o if pick is None else o[pick]
+            else:
+                view.topk[i] = o if pick is None else (o[0][pick], o[1][pick])
+        return view
 
     def _skip_enabled(self, seqs: list[Seq], members: list[int]) -> bool:
         greedy = all(s.sampling.greedy for s in seqs)

@@ -73,16 +73,13 @@ def task_form(task, mc: str) -> str:
     return mc if task.multiple_choice else "generate"
 
 
-def has_chat_template(member) -> bool:
-    return bool(getattr(member.tokenizer, "chat_template", None))
-
-
 def prompt_form(members) -> bool | str:
     """``True`` (chat) if every member has a chat template, ``False`` (raw) if none has, else
     ``"mixed"`` (each member gets its own form)."""
+    from tokenfuse.select import uses_chat
     from tokenfuse.tasks.base import MIXED
 
-    flags = {has_chat_template(m) for m in members}
+    flags = {uses_chat(m) for m in members}
     return MIXED if len(flags) > 1 else flags.pop()
 
 

@@ -197,36 +197,32 @@ class LlamaCppMember(Member):
         prefix with the sequence's ids (a pooled context as is, or a live one's cache copied)."""
         ids = st.all_ids()
         limit = len(ids) - 1  # at least one id is fed, for the logits
-        st.n_valid = 0
         self.prefix_stats["sequences"] += 1
-        if not self.prefix_cache:
-            slot = self._free.pop() if self._free else self._new_slot()
-            slot.ctx.kv_cache_seq_rm(0, 0, -1)
-            slot.n = 0
-        else:
+        slot, reuse = None, 0  # the forward crops the cache to ``reuse`` ids and feeds the rest
+        if self.prefix_cache:
             pooled = [_common_prefix(sl.ids, ids, limit) for sl in self._free]
             best = int(np.argmax(pooled)) if pooled else -1
             reuse = pooled[best] if pooled else 0
             live = [(_common_prefix(sl.cached_ids(), ids, limit), sl) for sl in self._busy]
             donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
             if donor is not None and donor_n > reuse + COPY_MIN:
-                # copy the live context's cache into the least recently used pooled context
-                slot = self._free.pop(0) if self._free else self._new_slot()
-                if self._copy_cache(donor, slot):
-                    reuse = donor_n
-                    self.prefix_stats["copied"] += 1
-                else:
-                    reuse = 0
+                slot = self._least_recent()  # gets a copy of the live context's cache
+                copied = self._copy_cache(donor, slot)
+                reuse = donor_n if copied else 0
+                self.prefix_stats["copied"] += copied
             elif reuse > 0:
                 slot = self._free.pop(best)
-            else:
-                slot = self._free.pop(0) if self._free else self._new_slot()
-            if reuse > 0:
-                self.prefix_stats["reused"] += 1
-            st.n_valid = reuse  # the forward crops the cache to this and feeds the rest
+            self.prefix_stats["reused"] += reuse > 0
+        if slot is None:
+            slot = self._least_recent()
+        st.n_valid = reuse
         slot.owner, slot.ids = st, []
         self._busy.append(slot)
         return slot
+
+    def _least_recent(self) -> _Slot:
+        """The pooled context released longest ago, or a new one."""
+        return self._free.pop(0) if self._free else self._new_slot()
 
     def _copy_cache(self, src: _Slot, dst: _Slot) -> bool:
         """Copy ``src``'s whole cache into ``dst`` (llama.cpp's sequence state); False if it failed."""
