@@ -2,14 +2,15 @@
 """Batch of 4 prompts: one llama.cpp context per sequence vs one multi-sequence context."""
 import statistics, time
 from pathlib import Path
-from tokenfuse.bundled import BUNDLED, ensure_converted
+from tokenfuse.bundled import BUNDLED
+from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
 from tokenfuse.members.llamacpp import load_llamacpp_member
 from tokenfuse import Ensemble
 from tokenfuse.paths import cache_dir
 root = cache_dir()
 P = ["Question: What is the capital of France?\nAnswer:", "def fibonacci(n):", "The quick brown fox", "Once upon a time"]
 for n in BUNDLED:
-    ms = {mode: load_llamacpp_member(n, BUNDLED[n].gguf_path(root), tokenizer_dir=ensure_converted(n, model=False),
+    ms = {mode: load_llamacpp_member(n, BUNDLED[n].gguf_path(root), tokenizer_dir=ensure_tokenizer(n),
                                      multi_seq=mode, align_cache=root / "alignment") for mode in (0, 4)}
     times = {0: [], 4: []}
     outs = {}

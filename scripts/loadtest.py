@@ -172,7 +172,7 @@ def overhead(args) -> None:
 
     from tokenfuse.bundled import BUNDLED
     from tokenfuse.config import MemberConfig
-    from tokenfuse.engine.generate import Ensemble
+    from tokenfuse.engine import Ensemble
     from tokenfuse.load import load_member
     from tokenfuse.paths import cache_dir
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenfuse.alignment.relative import DEFAULT_CAPACITY, DEFAULT_COMPUTE_DTYPE, DeePEn, anchors
-from tokenfuse.alignment.relative_rows import RelativeRows
+from tokenfuse.combiners.deepen.relative import DEFAULT_CAPACITY, DEFAULT_COMPUTE_DTYPE, DeePEn, anchors
+from tokenfuse.combiners.deepen.rows import RelativeRows
 from tokenfuse.alignment.union import build_union
 from tokenfuse.paths import cache_dir
 

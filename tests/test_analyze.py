@@ -37,7 +37,7 @@ WORDS = ["the", "hello", "understanding", "july", "february", "didn't", "behind"
 
 @pytest.fixture(scope="module")
 def codecs(tokenizers):
-    from tokenfuse.alignment.bytes import ByteCodec
+    from tokenfuse.members.codec import ByteCodec
 
     return {k: ByteCodec(tokenizers[k]) for k in ("smollm2", "gemma3", "qwen")}
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tokenfuse.alignment.bytes import BYTE_LEVEL, SENTENCEPIECE, ByteCodec, _end_of_turn_ids, byte_decoder
+from tokenfuse.members.codec import BYTE_LEVEL, SENTENCEPIECE, ByteCodec, _end_of_turn_ids, byte_decoder
 from tokenfuse.alignment.project import Projector
 from tokenfuse.alignment.union import END, build_union
 from tokenfuse.errors import AlignmentError
@@ -325,3 +325,14 @@ def test_padded_member_projects(make_tiny, tokenizers, codecs):
     assert torch.isclose(out_narrow.sum(), torch.tensor(1.0), atol=1e-5)
     assert torch.isclose(out_narrow[0, union.maps[0][a]] / out_narrow[0, union.maps[0][b]], torch.tensor(2.718281828),
                          rtol=1e-4)
+
+
+def test_codec_tables_are_cached_by_the_codec_module(tokenizers, tmp_path, monkeypatch):
+    from tokenfuse.members.codec import load_codec_tables, load_or_build_codec
+
+    tok = tokenizers["qwen"]
+    built = load_or_build_codec(tok, vocab_size=None, cache=tmp_path)
+    assert built.cache_path.parent == tmp_path and load_codec_tables(built.cache_path) == built.tables()
+    monkeypatch.setattr(ByteCodec, "_build", lambda *a, **k: pytest.fail("rebuilt instead of loaded"))
+    loaded = load_or_build_codec(tok, vocab_size=None, cache=tmp_path)
+    assert loaded.tables() == built.tables() and loaded.cache_path == built.cache_path

@@ -11,7 +11,7 @@ import tokenfuse.load
 from tokenfuse import __version__
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
 from tokenfuse.cli import main
-from tokenfuse.engine.generate import Ensemble
+from tokenfuse.engine import Ensemble
 
 FAMILY_SEED = {"smollm2": 0, "qwen": 1, "gemma3": 2}
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tokenfuse.bundled import DEFAULT_ENSEMBLE
 from tokenfuse.config import EnsembleConfig, config_from_models, load_config, parse_config
 from tokenfuse.errors import ConfigError
 
@@ -172,3 +173,95 @@ def test_invalid_values_in_a_file_name_the_file_and_field(tmp_path):
     empty.write_text("", encoding="utf-8")
     with pytest.raises(ConfigError, match="empty.yaml"):
         load_config(empty)
+
+
+# ---------------------------------------------------------------------------------------- overrides
+def test_method_params_are_validated_by_the_combiner():
+    msg = _error({"members": _members("a"), "method": "unite", "params": {"k": 0}})
+    assert msg.startswith("cfg.yaml: params.k: ")
+    msg = _error({"members": _members("a"), "method": "unite", "params": {"kk": 5}})
+    assert msg.startswith("cfg.yaml: params.kk: ") and "'kk'" in msg
+    assert parse_config({"members": _members("a"), "method": "unite", "params": {"k": 5}}).params == {"k": 5}
+
+
+def test_with_overrides_method_change_clears_params():
+    cfg = parse_config({"members": _members("a", "b"), "method": "unite", "params": {"k": 5}})
+    assert cfg.with_overrides(method="gac").params == {}
+    assert cfg.with_overrides(method="unite").params == {"k": 5}  # the same method keeps its params
+    assert cfg.with_overrides(params={"k": 7}).params == {"k": 7}  # merged into the config's
+    assert cfg.with_overrides(method="gac").with_overrides(method="unite", params={"k": 3}).params == {"k": 3}
+    assert cfg.with_overrides() == cfg
+    assert cfg.params == {"k": 5}  # the original is unchanged
+
+
+def test_with_overrides_fields_and_none():
+    cfg = parse_config({"members": _members("a", "b"), "gate": "a", "threshold": 0.4})
+    new = cfg.with_overrides(gate=None, threshold=None, primary="b", agreement_skip=False)
+    assert (new.gate, new.threshold, new.primary_name, new.agreement_skip) == (None, None, "b", False)
+    assert cfg.with_overrides(threshold=0.7).threshold == 0.7 and cfg.gate == "a"
+    dec = cfg.with_overrides(decoding={"temperature": 0.5, "stop": ["\n"]}).decoding
+    assert (dec.temperature, dec.stop, dec.max_new_tokens) == (0.5, ["\n"], 64)
+
+
+def test_with_overrides_weights_by_list_or_name():
+    cfg = parse_config({"members": _members("a", "b", "c")})
+    assert [m.weight for m in cfg.with_overrides(weights=[1, 2, 0.5]).members] == [1.0, 2.0, 0.5]
+    assert [m.weight for m in cfg.with_overrides(weights={"c": 0}).members] == [1.0, 1.0, 0.0]
+    with pytest.raises(ConfigError) as info:
+        cfg.with_overrides(weights=[1, 2], origin="tokenfuse")
+    assert str(info.value) == "tokenfuse: weights: 2 weights for 3 members (a, b, c)"
+    with pytest.raises(ConfigError) as info:
+        cfg.with_overrides(weights={"d": 1}, origin="tokenfuse")
+    assert str(info.value) == "tokenfuse: weights: 'd' not a member (members: a, b, c)"
+    with pytest.raises(ConfigError) as info:
+        cfg.with_overrides(weights=[1, 1, 1], names={"weights": "--weights"}, origin="x.yaml", gate="d")
+    assert str(info.value).startswith("x.yaml: gate: 'd' is not a member")
+    with pytest.raises(ConfigError) as info:
+        cfg.with_overrides(weights=[-1, 1, 1], origin="tokenfuse")
+    assert str(info.value).startswith("tokenfuse: members.0.weight: ")
+    with pytest.raises(ConfigError) as info:
+        cfg.with_overrides(weights=[0, 0, 0], origin="tokenfuse")
+    assert str(info.value).startswith("tokenfuse: members.weight: at least one member needs a positive weight")
+
+
+def test_with_overrides_refuses_unknown_options():
+    cfg = parse_config({"members": _members("a")})
+    with pytest.raises(ConfigError) as info:
+        cfg.with_overrides(colour="red", origin="tokenfuse")
+    assert str(info.value) == ("tokenfuse: unknown option(s) colour; "
+                               "allowed: method, params, gate, threshold, primary, agreement_skip, weights")
+    with pytest.raises(ConfigError, match="^model_args: method: unknown combiner 'gca'"):
+        cfg.with_overrides(method="gca", origin="model_args")
+    with pytest.raises(ConfigError, match="^overrides: params: expected a mapping"):
+        cfg.with_overrides(params=["k"])
+
+
+def _args(**kw):
+    import argparse
+
+    return argparse.Namespace(**kw)
+
+
+def test_from_args_flags(tmp_path):
+    path = tmp_path / "ens.yaml"
+    path.write_text(yaml.safe_dump({"members": _members("a", "b"), "method": "unite", "params": {"k": 5}}))
+    cfg = EnsembleConfig.from_args(_args(config=str(path), models=None, param=["k=7"], weights="1,0.5",
+                                         gate="a", threshold=0.3, max_new_tokens=9, stop=["\n"], top_k=None))
+    assert (cfg.method, cfg.params, cfg.gate, cfg.threshold) == ("unite", {"k": 7}, "a", 0.3)
+    assert [m.weight for m in cfg.members] == [1.0, 0.5]
+    assert (cfg.decoding.max_new_tokens, cfg.decoding.stop, cfg.decoding.top_k) == (9, ["\n"], 0)
+    assert EnsembleConfig.from_args(_args(config=str(path), method="gac")).params == {}
+    default = EnsembleConfig.from_args(_args())  # a command without ensemble flags: the bundled ensemble
+    assert [m.name for m in default.members] == list(DEFAULT_ENSEMBLE)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"param": ["k"]}, "--param: expected KEY=VALUE, got 'k'"),
+    ({"weights": "1,x"}, "--weights: expected comma-separated numbers, got '1,x'"),
+    ({"weights": "1,2,3"}, "--weights: 3 weights for 2 members (a, b)"),
+    ({"method": "unite", "param": ["k=0"]}, "command line: params.k: "),
+])
+def test_from_args_errors_name_the_flag(kw, message):
+    with pytest.raises(ConfigError) as info:
+        EnsembleConfig.from_args(_args(models="a,b", **kw))
+    assert str(info.value).startswith(message)

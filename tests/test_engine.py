@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tokenfuse.alignment.union import END
-from tokenfuse.engine.generate import Ensemble
+from tokenfuse.engine import Ensemble
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.errors import ConfigError
-from tokenfuse.members.base import Member, SeqState, plain_chat
+from tokenfuse.members.base import LocalMember, Member, SeqState, plain_chat
 from tokenfuse.members.transformers import TransformersMember
 
 FAMILIES = ("smollm2", "gemma3", "qwen")
@@ -83,7 +83,7 @@ def eos_lover(tiny, align_cache, *, family: str = "qwen", seed: int = 3, name: s
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class ScriptedMember(Member):
+class ScriptedMember(LocalMember):
     """Emits ``chunks`` (each one of its tokens, split characters allowed) in order, then END.
 
     It borrows a tiny member's tokenizer and codec; its distribution puts all mass on the next
@@ -496,9 +496,8 @@ def test_chat_with_and_without_template(build, trio, tokenizers):
     assert templated and "Hi there" in text and text != plain_chat(msgs)
 
     ens = build([a, c])
-    seqs: list = []
-    for _ in ens.steps([msgs], max_new_tokens=1, sampling=Sampling(), _seqs=seqs):
-        pass
+    seqs = [ens.open(msgs, max_new_tokens=1)]
+    ens.step(seqs)
     expected_a = tokenizers["smollm2"](a.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
                                        add_special_tokens=False)["input_ids"]
     assert seqs[0].states[0].prompt_ids == list(expected_a)
@@ -522,9 +521,8 @@ def test_two_form_prompt_gives_each_member_its_own_form(build, trio):
     msgs = [{"role": "user", "content": "Q: 2+2?"}]
     raw = "Question: 2+2?\nAnswer:"
     ens = build([a, c])
-    seqs: list = []
-    for _ in ens.steps([TwoFormPrompt(msgs, raw)], max_new_tokens=1, sampling=Sampling(), _seqs=seqs):
-        pass
+    seqs = [ens.open(TwoFormPrompt(msgs, raw), max_new_tokens=1)]
+    ens.step(seqs)
     text, _ = a.render_chat(msgs)
     assert seqs[0].states[0].prompt_ids == a.encode_prompt(text, templated=True)
     assert seqs[0].states[1].prompt_ids == c.encode_prompt(raw)  # not the plain "User: ..." rendering

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenfuse.engine.generate import Likelihood
+from tokenfuse.engine import Likelihood
 from tokenfuse.config import config_from_models
 from tokenfuse.eval.methods import answer_key, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.report import markdown_table, summarise
@@ -70,6 +70,20 @@ def test_parse_and_plan_methods():
     assert lik[3].overrides["gate"] == "smollm2-135m-instruct"
 
 
+def test_engine_rows_are_config_overrides():
+    """Each engine row is the config with the row's overrides: the config's params only for its own method."""
+    from tokenfuse.config import parse_config
+
+    cfg = parse_config({"members": [{"name": "a"}, {"name": "b"}], "method": "unite", "params": {"k": 5},
+                        "gate": "b", "threshold": 0.2})
+    specs = plan_methods(cfg, ["gac", "gac-threshold", "unite"], form="generate", registered=["gac", "unite"],
+                         log=lambda m: None)
+    rows = {s.name: cfg.with_overrides(**s.overrides) for s in specs if s.overrides}
+    assert (rows["unite"].method, rows["unite"].params, rows["unite"].gate) == ("unite", {"k": 5}, None)
+    assert (rows["gac"].method, rows["gac"].params, rows["gac"].gate, rows["gac"].threshold) == ("gac", {}, None, None)
+    assert (rows["gac-threshold"].params, rows["gac-threshold"].gate, rows["gac-threshold"].threshold) == ({}, "b", 0.2)
+
+
 # ---------------------------------------------------------------------------------------- table
 def _rec(i, correct, **kw):
     return {"id": str(i), "correct": correct, **kw}
@@ -131,7 +145,7 @@ def tiny_pair(make_tiny, one_thread):
 
 
 def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monkeypatch):
-    from tokenfuse.engine.generate import Ensemble
+    from tokenfuse.engine import Ensemble
 
     members, union = tiny_pair
     cfg = config_from_models("s,q")
@@ -188,10 +202,10 @@ def test_cli_eval_errors_are_one_line(capsys):
 
 
 def test_prompt_form_follows_the_members_templates():
-    from tokenfuse.eval.runner import prompt_form
+    from tokenfuse.tasks import prompt_form
 
-    def member(template):
-        return type("M", (), {"tokenizer": type("T", (), {"chat_template": template})()})()
+    def member(template):  # Member.has_chat_template: its tokenizer has a chat template
+        return type("M", (), {"has_chat_template": bool(template)})()
 
     assert prompt_form([member("{{x}}"), member("{{y}}")]) is True
     assert prompt_form([member(None)]) is False

@@ -189,3 +189,40 @@ def test_cli_default_ensemble_prints_its_text(llamacpp_members):
     assert result["steps"] > 0 and result["text"].strip()
     assert [m["name"] for m in result["members"]] == [
         "smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"]
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
+def test_member_declares_its_context_and_chat_template(llamacpp_members, family):
+    m = llamacpp_members[family]
+    assert m.context_length == m.llm.n_ctx() == 4096  # MemberConfig's n_ctx: each sequence's own context
+    assert m.has_chat_template is bool(m.tokenizer.chat_template)
+    assert m.has_chat_template is (family != "gemma3")  # gemma3-270m is the base model
+    assert m.score is None  # its config gives none
+
+
+def test_load_member_takes_score_and_context_from_the_config():
+    from tokenfuse.config import MemberConfig
+    from tokenfuse.load import load_member
+
+    m = load_member(MemberConfig(name="smol", source="smollm2-135m-instruct", backend="llamacpp", n_ctx=512,
+                                 score=0.625), progress=False)
+    assert (m.score, m.context_length, m.llm.n_ctx()) == (0.625, 512, 512)
+
+
+def test_input_embeddings_are_the_gguf_table(llamacpp_members):
+    """``input_embeddings()`` is ``token_embd.weight`` dequantised exactly as the gguf library does it,
+    and it is what DeePEn's relative space reads."""
+    import gguf
+    import numpy as np
+    import torch
+
+
+    m = llamacpp_members["smollm2"]
+    e = m.input_embeddings()
+    t = next(t for t in gguf.GGUFReader(m.path).tensors if t.name == "token_embd.weight")
+    want = gguf.quants.dequantize(t.data, t.tensor_type)
+    assert e.dtype == torch.float32 and tuple(e.shape) == (m.n_vocab, 576) == want.shape
+    assert np.array_equal(e.numpy(), want)
+    rows = m.embedding_rows()
+    ids = [0, 17, m.n_vocab - 1]
+    assert (rows.n_rows, rows.dim) == (m.n_vocab, 576) and torch.equal(rows.take(ids), e[ids])

@@ -28,6 +28,25 @@ def test_combine_loglikelihoods():
     assert combine_loglikelihoods([-1.0, -math.inf], [1, 0], "mixture") == -1.0  # weight 0 is silent
 
 
+def test_model_args_go_through_the_config_override_rule(monkeypatch, tmp_path):
+    """``config``/``models`` plus ``method``/``gate``/``threshold``/``primary`` make the config that is loaded
+    (``EnsembleConfig.with_overrides``: another method drops the config's params)."""
+    import tokenfuse.load
+    from tokenfuse.errors import ConfigError
+
+    seen = []
+    monkeypatch.setattr(tokenfuse.load, "load_ensemble", lambda cfg, progress=True: seen.append(cfg))
+    TokenfuseLM._load(None, "a+b", method=None, gate="b", threshold="0.4", primary="b")
+    assert [m.name for m in seen[0].members] == ["a", "b"]
+    assert (seen[0].method, seen[0].gate, seen[0].threshold, seen[0].primary) == ("gac", "b", 0.4, "b")
+    path = tmp_path / "ens.yaml"
+    path.write_text("members: [{name: a}, {name: b}]\nmethod: unite\nparams: {k: 5}\n")
+    TokenfuseLM._load(str(path), None, method="gac", gate=None, threshold=None, primary=None)
+    assert (seen[1].method, seen[1].params) == ("gac", {})
+    with pytest.raises(ConfigError, match="^model_args: gate: thresholded"):
+        TokenfuseLM._load(None, "a+b", method=None, gate=None, threshold=0.5, primary=None)
+
+
 @pytest.fixture(scope="module")
 def pair(make_tiny, one_thread):
     return Ensemble([make_tiny("smollm2", seed=1, name="s"), make_tiny("gemma3", seed=2, name="g")])

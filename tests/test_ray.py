@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'; scripts/setup.sh does)")
 
 from conftest import tiny_model  # noqa: E402  (pickled by value into the actors)
-from tokenfuse.engine.generate import Ensemble  # noqa: E402
+from tokenfuse.engine import Ensemble  # noqa: E402
 from tokenfuse.engine.sampling import Sampling  # noqa: E402
 from tokenfuse.placement.ray import place_members  # noqa: E402
 
@@ -91,3 +91,22 @@ def test_config_placement_ray(ray_members, llamacpp_members):
     assert placed.generate(prompt, max_new_tokens=8).text == local.generate(prompt, max_new_tokens=8).text
     for m in placed.members:
         ray.kill(m.actor)
+
+
+def test_ray_member_declares_what_the_local_member_does(ray_members, local_members):
+    """Context length, chat template and score come from the actor's member; its weights stay there."""
+    from tokenfuse.errors import TokenfuseError
+    from tokenfuse.placement.ray import RayMember
+
+    for placed, local in zip(ray_members, local_members):
+        assert placed.context_length == local.context_length == 2048
+        assert placed.has_chat_template is local.has_chat_template
+        assert placed.score is None and local.score is None
+    actor = ray_members[0].actor
+    ray.get(actor.__ray_call__.remote(lambda a: setattr(a.member, "score", 0.5)))
+    try:
+        assert RayMember(actor, ray.get(actor.info.remote())).score == 0.5
+    finally:
+        ray.get(actor.__ray_call__.remote(lambda a: setattr(a.member, "score", None)))
+    with pytest.raises(TokenfuseError, match="DeePEn needs local weights"):
+        ray_members[0].input_embeddings()

@@ -65,8 +65,8 @@ def test_threshold_extremes_on_real_models(real_members):
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
 def test_fast_tokenizer_matches_auto_tokenizer(tokenizer_dirs, tokenizers, family):
     """The bundled members load their tokenizer with FastTokenizer; it must behave as AutoTokenizer."""
-    from tokenfuse.alignment.bytes import ByteCodec
-    from tokenfuse.members.base import Member
+    from tokenfuse.members.codec import ByteCodec
+    from tokenfuse.members.base import LocalMember
     from tokenfuse.members.fasttok import FastTokenizer
 
     fast, auto = FastTokenizer(tokenizer_dirs[family]), tokenizers[family]
@@ -83,7 +83,7 @@ def test_fast_tokenizer_matches_auto_tokenizer(tokenizer_dirs, tokenizers, famil
     a, b = ByteCodec(fast, vocab_size=len(auto)), ByteCodec(auto, vocab_size=len(auto))
     assert (a.token_bytes, a.end_ids, a.special_ids, a.byte_ids) == (b.token_bytes, b.end_ids, b.special_ids, b.byte_ids)
 
-    class _M(Member):
+    class _M(LocalMember):
         def _forward(self, state):  # never called
             raise AssertionError
 

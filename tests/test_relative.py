@@ -1,4 +1,4 @@
-"""DeePEn's relative representation, aggregation and inverse transformation (tokenfuse.alignment.relative).
+"""DeePEn's relative representation, aggregation and inverse transformation (tokenfuse.combiners.deepen.relative).
 
 Dense references here are written independently of the module: cosine matrices with
 ``F.cosine_similarity``, the inverse transformation with autograd and ``torch.optim.AdamW`` the
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tokenfuse.alignment.relative import DeePEn, adapt_weights, anchors, embeddings, inverse_transform, kl_loss
-from tokenfuse.alignment.relative_rows import EmbeddingRows, RelativeRows, gguf_tensor
+from tokenfuse.combiners.deepen.relative import DeePEn, adapt_weights, anchors, inverse_transform
+from tokenfuse.combiners.deepen.rows import EmbeddingRows, RelativeRows
+from tokenfuse.members.embeddings import gguf_tensor
 from tokenfuse.alignment.union import UnionVocab, build_union
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -303,9 +304,9 @@ def test_disk_cache_round_trip(synthetic, tmp_path):
 
 def test_embeddings_of_a_transformers_member_are_its_weight(make_tiny):
     m = make_tiny("smollm2", seed=1)
-    e = embeddings(m)
+    e = m.input_embeddings()
     assert e.data_ptr() == m.model.get_input_embeddings().weight.data_ptr()  # no copy
-    assert EmbeddingRows.of(m).take([5, 3]).equal(e[[5, 3]])
+    assert m.embedding_rows().take([5, 3]).equal(e[[5, 3]])
 
 
 # ---------------------------------------------------------------------------------- real models
@@ -320,9 +321,9 @@ def test_gguf_rows_match_the_gguf_reader(llamacpp_members):
     assert shape == (m.n_vocab, int(t.shape[0])) and qtype == t.tensor_type
     ids = np.array([0, 1, 17, 4000, m.n_vocab - 1])
     expect = gguf.quants.dequantize(t.data[ids], t.tensor_type)
-    assert np.array_equal(EmbeddingRows.of(m).take(ids).numpy(), expect)
+    assert np.array_equal(m.embedding_rows().take(ids).numpy(), expect)
     for name in ("gemma3", "qwen"):
-        e = EmbeddingRows.of(llamacpp_members[name])
+        e = llamacpp_members[name].embedding_rows()
         assert e.n_rows == llamacpp_members[name].n_vocab
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tokenfuse.config import parse_config
-from tokenfuse.engine.generate import Ensemble
-from tokenfuse.errors import ConfigError
+from tokenfuse.engine import Ensemble
+from tokenfuse.errors import ConfigError, TokenfuseError
 from tokenfuse.members.fasttok import FastTokenizer
 from tokenfuse.members.remote import MemberUnavailableError, RemoteMember
 
@@ -220,3 +220,33 @@ def test_llama_cpp_server_member(llama_server, llamacpp_members, align_cache):
     t = time.perf_counter()
     assert mixed.generate(prompt, max_new_tokens=6).text == expected
     print(f"6 pieces: local {t_local:.2f} s, with the remote member {time.perf_counter() - t:.2f} s")
+
+
+def test_member_contract_of_a_remote_and_a_local_member(make_tiny, smol_tok, align_cache):
+    """What other layers ask of every member: context length, chat template, score, input embeddings."""
+
+    def handler(request):
+        raise AssertionError("no request expected")
+
+    remote = mock_member(smol_tok, align_cache, handler, context_length=512)
+    local = make_tiny("smollm2", seed=3)
+    assert (remote.context_length, local.context_length) == (512, 2048)  # tiny model: max_position_embeddings
+    assert mock_member(smol_tok, align_cache, handler).context_length is None
+    assert remote.has_chat_template and local.has_chat_template  # SmolLM2-Instruct's tokenizer has one
+    assert remote.score is None and local.score is None
+    e = local.input_embeddings()
+    assert e.dtype == torch.float32 and tuple(e.shape) == (len(local.tokenizer), 32)
+    assert e.data_ptr() == local.model.get_input_embeddings().weight.data_ptr()  # the model's own table
+    with pytest.raises(TokenfuseError, match="'r' .*DeePEn needs local weights"):
+        remote.input_embeddings()
+    assert not hasattr(remote, "_forward") and not hasattr(remote, "_forward_batch")
+
+
+def test_ensemble_from_members_gives_members_their_config_score(make_tiny, one_thread):
+    from tokenfuse.load import ensemble_from_members
+
+    a, b = make_tiny("smollm2", seed=4, name="a"), make_tiny("qwen", seed=4, name="b")
+    cfg = parse_config({"members": [{"name": "a", "source": "smollm2-135m-instruct", "score": 0.75},
+                                    {"name": "b", "source": "qwen2.5-coder-0.5b-instruct"}]})
+    ens = ensemble_from_members(cfg, [a, b])
+    assert [m.score for m in ens.members] == [0.75, None]

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi", reason="the server extra is not installed (pip in
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tokenfuse.engine.generate import Ensemble  # noqa: E402
+from tokenfuse.engine import Ensemble  # noqa: E402
 from tokenfuse.engine.sampling import Sampling  # noqa: E402
 from tokenfuse.server import ServerSettings, create_app  # noqa: E402
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenfuse.alignment.bytes import ByteCodec
+from tokenfuse.members.codec import ByteCodec
 from tokenfuse.engine.sync import append_token, in_step, resync
 from tokenfuse.errors import AlignmentError
 from tokenfuse.members.base import SeqState

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenfuse.errors import TokenfuseError
 from tokenfuse.tasks import DATA_ENV, TASKS, TaskDataError, load_task, resolve_data_dir
 from tokenfuse.tasks.bbh import split_cot_prompt
 from tokenfuse.tasks.scoring import (extract_bbh, extract_letter, extract_yes_no, last_number, match_any_alias,
@@ -333,3 +334,46 @@ def test_bbh_exact_match():
     assert t.score(it, "\nnot False = True. So the answer is True.").correct
     assert not t.score(it, "So the answer is true.").correct  # exact match: case counts
     assert not t.score(it, "True").correct  # no "the answer is": nothing extracted
+
+
+# ---------------------------------------------------------------------------------------- running a task
+def _member(chat_template: bool):
+    return type("M", (), {"has_chat_template": chat_template})()
+
+
+def test_prompt_form_rule():
+    from tokenfuse.tasks import prompt_form, uses_chat
+
+    chat, raw = _member(True), _member(False)
+    assert (uses_chat(chat), uses_chat(raw)) == (True, False)
+    assert (uses_chat(raw, "chat"), uses_chat(chat, "raw")) == (True, False)
+    assert (prompt_form([chat, chat]), prompt_form([raw]), prompt_form([chat, raw])) == (True, False, "mixed")
+    assert prompt_form([chat, raw], "raw") is False
+    with pytest.raises(TokenfuseError, match="--prompt-form: expected one of auto, chat, raw"):
+        uses_chat(chat, "text")
+
+
+def test_generate_graded_uses_the_tasks_prompts_stops_and_grading():
+    from tokenfuse.engine import Sampling
+    from tokenfuse.tasks import generate_graded
+
+    t = task("arc_challenge")
+    items = t.items[:2]
+    answers = {t.prompt(it, chat=True)[-1]["content"]: f"The answer is {it['answer']}." for it in items}
+    wrong = "A" if items[1]["answer"] != "A" else "B"
+    answers[t.prompt(items[1], chat=True)[-1]["content"]] = f"The answer is {wrong}."
+    calls = []
+
+    class FakeEnsemble:
+        def generate(self, prompts, **kw):
+            calls.append(kw)
+            return [type("G", (), {"text": answers[p[-1]["content"]], "output": b""})() for p in prompts]
+
+    graded = generate_graded(FakeEnsemble(), t, items, chat=True)
+    assert calls == [{"max_new_tokens": t.max_new_tokens, "sampling": Sampling(), "stop": t.stop(chat=True),
+                      "chat": True}]
+    assert [g.item for g in graded] == items
+    assert [(g.score.correct, g.score.extracted) for g in graded] == [(True, items[0]["answer"]), (False, wrong)]
+    assert graded[0].text == f"The answer is {items[0]['answer']}."
+    generate_graded(FakeEnsemble(), t, items[:1], chat=True, max_new_tokens=3)
+    assert calls[-1]["max_new_tokens"] == 3

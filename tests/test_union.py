@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokenfuse.alignment import union as union_mod
-from tokenfuse.alignment.bytes import ByteCodec
-from tokenfuse.alignment.union import END, UnionVocab, build_union, load_codec_tables, load_or_build_codec, save_codec
+from tokenfuse.alignment.union import END, UnionVocab, build_union
+from tokenfuse.members import codec as codec_mod
+from tokenfuse.members.codec import ByteCodec, load_codec_tables, load_or_build_codec, save_codec
 
 FAMILIES = ("smollm2", "gemma3", "qwen")
 
@@ -223,7 +223,7 @@ def test_damaged_codec_cache_is_rebuilt(tokenizers, tmp_path, damage):
     rebuilt = load_or_build_codec(tok, vocab_size=None, cache=tmp_path)
     assert rebuilt.tables() == built.tables()
     # The rebuilt tables were written back and load again.
-    assert union_mod.load_codec_tables(path) == built.tables()
+    assert codec_mod.load_codec_tables(path) == built.tables()
 
 
 def test_codec_cache_key_depends_on_vocab_size_and_end_ids(tokenizers, tmp_path):

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from tokenfuse import Ensemble
-from tokenfuse.alignment.bytes import ByteCodec
-from tokenfuse.combiners.base import StepView
+from tokenfuse.members.codec import ByteCodec
 from tokenfuse.errors import ConfigError
-from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.base import LocalMember, SeqState
 
 
-class Fixed(Member):
+class Fixed(LocalMember):
     """A member whose next-token distribution is always the same: ``{piece bytes: probability}``."""
 
     def __init__(self, name, tokenizer, codec, probs: dict[bytes, float], weight=1.0):
@@ -52,11 +51,7 @@ def one_step(ens: Ensemble, prompt: str = "Hello"):
     """The combined distribution of the first step as ``{piece: probability}`` (non-zero only)."""
     seq = ens.open(prompt)
     members = list(range(len(ens.members)))
-    outs = ens._forward_many(members, [seq])
-    view = StepView(ens=ens, states={i: [seq.states[i]] for i in members}, members=members,
-                    weights=[m.weight for m in ens.members])
-    for i in members:
-        (view.topk if ens.combiner.needs == "topk" else view.logprobs)[i] = outs[i]
+    view = ens.decider.view([seq], members, ens.decider.forward(members, [seq]))
     dist = ens.combiner.combine(view)
     out = {}
     for col, p in enumerate(dist.probs[0].tolist()):
@@ -104,9 +99,7 @@ def test_each_member_is_renormalised_over_the_candidates(fixed, align_cache):
     b = fixed("smollm2", {b" b": 0.9, b" d": 0.1})
     ens = Ensemble([a, b], method="unite", method_params={"k": 2}, align_cache=align_cache)
     seq = ens.open("x")
-    outs = ens._forward_many([0, 1], [seq])
-    view = StepView(ens=ens, states={i: [seq.states[i]] for i in (0, 1)}, members=[0, 1], weights=[1, 1],
-                    topk=outs)
+    view = ens.decider.view([seq], [0, 1], ens.decider.forward([0, 1], [seq]))
     cands = ens.combiner.candidates(view)
     assert [ens.union.pieces[e] for e in cands[0]] == sorted([b" a", b" b", b" d"])
     for i in (0, 1):

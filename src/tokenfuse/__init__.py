@@ -1,6 +1,6 @@
 """tokenfuse: several LLMs with different tokenizers generating as one model, token by token."""
 
-from tokenfuse.engine.generate import Ensemble, Generation, StepEvent, TwoFormPrompt
+from tokenfuse.engine import Ensemble, Generation, Sequence, StepEvent, TwoFormPrompt
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.errors import ConfigError, ModelNotInstalledError, TokenfuseError
 
@@ -12,6 +12,7 @@ __all__ = [
     "Generation",
     "ModelNotInstalledError",
     "Sampling",
+    "Sequence",
     "StepEvent",
     "TokenfuseError",
     "TwoFormPrompt",

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from tokenfuse.config import EnsembleConfig
-from tokenfuse.engine.generate import STAGES, Ensemble
+from tokenfuse.engine import Ensemble
+from tokenfuse.engine.timer import STAGES
 from tokenfuse.engine.sampling import Sampling
 
 PROMPTS = [
@@ -45,19 +46,19 @@ def _p90(xs: list[float]) -> float:
 def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int) -> dict | None:
     """Per-token figures of one generation, decode only: from the first chosen piece (the prompt
     prefill is behind it) to the last. ``None`` if fewer than two pieces were generated."""
-    seqs: list = []
-    events = ens.steps([prompt], max_new_tokens=max_new_tokens, sampling=Sampling(), _seqs=seqs)
-    next(events)
-    t0, before = time.perf_counter(), dict(ens.timings)
-    n = sum(1 for ev in events if ev.piece)
-    wall = time.perf_counter() - t0
-    s = seqs[0]
-    for m, st in zip(ens.members, s.states):
-        m.release(st)
+    s = ens.open(prompt, sampling=Sampling(), max_new_tokens=max_new_tokens)
+    try:
+        ens.step([s])
+        t0, before = time.perf_counter(), ens.timer.snapshot()
+        n = 0
+        while s.finished is None:
+            n += sum(1 for ev in ens.step([s]) if ev.piece)
+        wall = time.perf_counter() - t0
+    finally:
+        ens.close(s)
     if n == 0:
         return None
-    stages = {k: 1000 * (ens.timings[k] - before[k]) / n for k in STAGES}
-    stages["other"] = 1000 * wall / n - sum(stages.values())
+    stages = {k: 1000 * v / n for k, v in ens.timer.since(before, wall).items() if k in STAGE_KEYS}
     return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, "skip": s.skipped, **stages}
 
 
@@ -89,8 +90,8 @@ def warm_start_seconds(cfg: EnsembleConfig, *, runs: int = 2) -> float:
 
 def _union_times(members, align: Path) -> dict:
     """Alignment build: cold (byte tables from the tokenizers + union) and from the disk cache."""
-    from tokenfuse.alignment.bytes import ByteCodec
-    from tokenfuse.alignment.union import build_union, load_codec_tables
+    from tokenfuse.alignment.union import build_union
+    from tokenfuse.members.codec import ByteCodec, load_codec_tables
 
     t0 = time.perf_counter()
     codecs = [ByteCodec(m.tokenizer, vocab_size=m.codec.vocab_size, extra_end_ids=m.codec.end_ids,
@@ -109,10 +110,10 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
               plot_path: str | None = None, methods=("gac", "unite")) -> dict:
     from tqdm.auto import tqdm
 
-    from tokenfuse.alignment.union import build_union
     from tokenfuse.bundled import BUNDLED, MARK_MODEL
-    from tokenfuse.load import load_member
+    from tokenfuse.load import ensemble_from_members
     from tokenfuse.paths import cache_dir
+    from tokenfuse.placement.local import load_member
 
     root = cache_dir(cfg.cache_dir)
     align = root / "alignment"
@@ -137,13 +138,17 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
             members.append(m)
         union_times[backend] = _union_times(members, align)
         for m in members:
-            rows.append({"name": f"{backend}:{m.name}", "backend": backend, "ens": Ensemble([m], align_cache=align)})
+            rows.append({"name": f"{backend}:{m.name}", "backend": backend,
+                         "ens": Ensemble.single(m, align_cache=align)})
         if len(members) > 1 and not (quick and backend != backends[0]):
-            def add(name: str, **kw) -> None:
-                kw.setdefault("method", cfg.method)
-                kw.setdefault("method_params", cfg.params if kw["method"] == cfg.method else None)
+            every_step = bcfg.with_overrides(gate=None, threshold=None, agreement_skip=None, origin="bench")
+
+            def add(name: str, *, parallel: bool = True, **options) -> None:
+                """A row: the config with ``options`` (``EnsembleConfig.with_overrides``) on the loaded members."""
+                variant = every_step.with_overrides(**options, origin=f"bench row {name}")
+                variant = variant.model_copy(update={"parallel": parallel})  # gac-sequential: one after another
                 rows.append({"name": f"{backend}:{name}", "backend": backend,
-                             "ens": Ensemble(members, align_cache=align, **kw)})
+                             "ens": ensemble_from_members(variant, members)})
 
             for method in methods:
                 add(method, method=method)

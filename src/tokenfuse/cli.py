@@ -8,9 +8,11 @@ import os
 import sys
 import time
 
-import yaml
-
+from tokenfuse import select
+from tokenfuse.analyze import cli as analyze_cli
+from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.eval import cli as eval_cli
 
 
 def _ensemble_args(p: argparse.ArgumentParser) -> None:
@@ -80,13 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--truncate", action="store_true",
                    help="left-truncate prompts that do not fit the smallest member context (default: 400)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
-    from tokenfuse.analyze.cli import add_parser as add_analyze
-    from tokenfuse.eval.cli import add_parser as add_eval
-    from tokenfuse.select import add_parser as add_select
-
-    add_eval(sub)
-    add_analyze(sub)
-    add_select(sub)
+    eval_cli.add_parser(sub)
+    analyze_cli.add_parser(sub)
+    select.add_parser(sub)
     return parser
 
 
@@ -100,16 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 2
+    commands = {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve,
+                "eval": eval_cli.run, "analyze": analyze_cli.run, "select": select.run}
+    _quiet_env()
     try:
-        if args.command in ("eval", "analyze"):
-            from importlib import import_module
-
-            return import_module(f"tokenfuse.{args.command}.cli").run(args)
-        if args.command == "select":
-            from tokenfuse.select import run as run_select
-
-            return run_select(args)
-        return {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve}[args.command](args)
+        return commands[args.command](args)
     except TokenfuseError as err:
         print(f"tokenfuse: error: {err}", file=sys.stderr)
         return 2
@@ -117,58 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def resolve_config(args: argparse.Namespace):
-    """The config from ``--config`` or ``--models`` (default: the bundled ensemble) plus flags."""
-    from tokenfuse.bundled import DEFAULT_ENSEMBLE
-    from tokenfuse.config import config_from_models, load_config, parse_config
-
-    if args.config:
-        cfg = load_config(args.config)
-    else:
-        cfg = config_from_models(args.models or ",".join(DEFAULT_ENSEMBLE))
-    data = cfg.model_dump()
-    for key in ("method", "gate", "threshold", "primary", "agreement_skip"):
-        if getattr(args, key, None) is not None:
-            data[key] = getattr(args, key)
-    if getattr(args, "method", None) is not None and args.method != cfg.method:
-        data["params"] = {}  # another method's parameters do not carry over
-    for item in getattr(args, "param", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise TokenfuseError(f"--param: expected KEY=VALUE, got {item!r}")
-        data["params"][key.strip()] = yaml.safe_load(value)
-    if getattr(args, "weights", None):
-        try:
-            weights = [float(w) for w in args.weights.split(",")]
-        except ValueError:
-            raise TokenfuseError(f"--weights: expected comma-separated numbers, got {args.weights!r}") from None
-        if len(weights) != len(data["members"]):
-            raise TokenfuseError(f"--weights: {len(weights)} weights for {len(data['members'])} members")
-        for m, w in zip(data["members"], weights):
-            m["weight"] = w
-    dec = data["decoding"]
-    for flag, key in (("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                      ("top_k", "top_k"), ("seed", "seed")):
-        if getattr(args, flag, None) is not None:
-            dec[key] = getattr(args, flag)
-    if getattr(args, "stop", None):
-        dec["stop"] = list(args.stop)
-    return parse_config(data, origin=args.config or "command line")
-
-
 def _quiet_env() -> None:
-    # Environment only: importing transformers here would cost seconds on the llama.cpp path.
+    """Quiet tokenizers and transformers for every command. Environment only: importing
+    transformers here would cost seconds on the llama.cpp path."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenfuse.engine.sampling import Sampling
+    from tokenfuse.engine import Sampling
     from tokenfuse.load import load_ensemble
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    cfg = resolve_config(args)
-    _quiet_env()
+    cfg = EnsembleConfig.from_args(args)
     t0 = time.perf_counter()
     ens = load_ensemble(cfg, progress=not (args.quiet or args.json))
     load_s = time.perf_counter() - t0
@@ -232,8 +186,7 @@ def _models(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from tokenfuse.bench import run_bench
 
-    cfg = resolve_config(args)
-    _quiet_env()
+    cfg = EnsembleConfig.from_args(args)
     thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     run_bench(cfg, backends=backends, max_new_tokens=args.max_new_tokens,
@@ -251,8 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenfuse.load import load_ensemble
     from tokenfuse.server import ServerSettings, serve
 
-    cfg = resolve_config(args)
-    _quiet_env()
+    cfg = EnsembleConfig.from_args(args)
     ens = load_ensemble(cfg, progress=not args.quiet)
     settings = ServerSettings(model_name=args.model_name, api_key=args.api_key or None,
                               max_tokens=args.max_tokens_limit, max_batch=args.max_batch,

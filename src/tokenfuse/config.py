@@ -1,17 +1,28 @@
 """The one configuration of an ensemble: a YAML file validated by pydantic.
 
-Errors name the field (``members.1.weight``) and what to write instead.
+Owns: the config's fields and their validation (the method and its parameters through the
+combiners' declared models, ``tokenfuse.combiners.validate_params``), and the one override rule
+every entry point uses (``EnsembleConfig.with_overrides``; ``EnsembleConfig.from_args`` for the
+command line's flags). Errors name the field (``members.1.weight``) and what to write instead.
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tokenfuse.bundled import DEFAULT_ENSEMBLE
+from tokenfuse.combiners import combiner_class, validate_params
+from tokenfuse.engine import check_members
 from tokenfuse.errors import ConfigError
+
+# The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
+ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "weights")
 
 
 class _Strict(BaseModel):
@@ -102,32 +113,18 @@ class EnsembleConfig(_Strict):
     ray_address: str | None = None  # ray.init(address=...) when Ray is not initialised yet (None: local)
     on_member_failure: Literal["error", "skip"] = "error"  # skip: a failed remote/Ray member is left out
 
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, v: str) -> str:
-        from tokenfuse.combiners import REGISTRY
-
-        if v not in REGISTRY:
-            raise ValueError(f"unknown method {v!r}; available: {', '.join(sorted(REGISTRY))}")
-        return v
-
     @model_validator(mode="after")
     def _consistent(self) -> EnsembleConfig:
-        names = [m.name for m in self.members]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"members: names must be unique; repeated: {', '.join(sorted(dup))}")
-        if self.gate is not None and self.gate not in names:
-            raise ValueError(f"gate: {self.gate!r} is not a member name (members: {', '.join(names)})")
-        if self.primary is not None and self.primary not in names:
-            raise ValueError(f"primary: {self.primary!r} is not a member name (members: {', '.join(names)})")
-        if self.threshold is not None and self.gate is None:
-            raise ValueError("threshold: thresholded GaC needs `gate: <member name>`")
-        if all(m.weight == 0 for m in self.members):
-            raise ValueError("members: at least one member needs weight > 0")
-        from tokenfuse.combiners import REGISTRY
-
-        if getattr(REGISTRY.get(self.method), "needs", "full") == "full":
+        try:  # the method and its parameters, through the combiner's declared parameter model
+            validate_params(self.method, self.params)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        try:  # the rules every ensemble obeys, in the engine (it checks them for in-memory members too)
+            check_members([m.name for m in self.members], [m.weight for m in self.members], gate=self.gate,
+                          threshold=self.threshold, primary=self.primary)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        if combiner_class(self.method).needs == "full":
             for i, m in enumerate(self.members):
                 if m.backend == "openai" and m.topk_fill == "error":
                     raise ValueError(
@@ -149,13 +146,107 @@ class EnsembleConfig(_Strict):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(exclude_none=True), sort_keys=False)
 
+    def with_overrides(self, *, decoding: Mapping[str, Any] | None = None, origin: str = "overrides",
+                       names: Mapping[str, str] | None = None, **options: Any) -> EnsembleConfig:
+        """This config with ``options`` applied and validated again: the one override rule of every
+        entry point (command line, server requests, lm-eval ``model_args``, eval rows).
+
+        ``options`` are ``ENSEMBLE_OPTIONS``; a key that is given is applied, ``None`` included
+        (``gate=None`` drops the gate), so pass only what was asked for:
+
+        * ``method``: a different method clears ``params`` (another method's parameters do not
+          carry over); the same method keeps them;
+        * ``params``: merged key by key into the (possibly cleared) parameters;
+        * ``gate``, ``threshold``, ``primary``, ``agreement_skip``: replaced;
+        * ``weights``: a list in member order, or ``{member name: weight}`` (the others kept).
+
+        ``decoding`` fields (``DecodingConfig``) are merged into the decoding defaults.
+
+        Raises ``ConfigError``: an option's own mistake is named ``names[key]`` if given (e.g. the
+        command line's ``--weights``), else ``"<origin>: <key>"``; the result's validation errors
+        read ``"<origin>: <field>: <message>"``.
+        """
+        unknown = set(options) - set(ENSEMBLE_OPTIONS)
+        if unknown:
+            raise ConfigError(f"{origin}: unknown option(s) {', '.join(sorted(unknown))}; "
+                              f"allowed: {', '.join(ENSEMBLE_OPTIONS)}")
+        label = {k: f"{origin}: {k}" for k in ENSEMBLE_OPTIONS} | dict(names or {})
+        data = self.model_dump()
+        for key in ("method", "gate", "threshold", "primary", "agreement_skip"):
+            if key in options:
+                data[key] = options[key]
+        if "method" in options and options["method"] != self.method:
+            data["params"] = {}  # another method's parameters do not carry over
+        params = options.get("params")
+        if params is not None:
+            if not isinstance(params, Mapping):
+                raise ConfigError(f"{label['params']}: expected a mapping of parameter names to values, "
+                                  f"got {params!r}")
+            data["params"] = {**data["params"], **params}
+        if options.get("weights") is not None:
+            for m, w in zip(data["members"], _weights(options["weights"], self.members, label["weights"])):
+                m["weight"] = w
+        if decoding:
+            data["decoding"] = {**data["decoding"], **decoding}
+        return parse_config(data, origin=origin)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EnsembleConfig:
+        """The config of a command's flags: ``--config`` or ``--models`` (default: the bundled
+        ensemble), then ``--method``, ``--param KEY=VALUE``, ``--gate``, ``--threshold``,
+        ``--primary``, ``--agreement-skip``, ``--weights`` and the decoding flags, each where the
+        command has it (a flag the command lacks or leaves unset changes nothing)."""
+        def flag(name: str) -> Any:
+            return getattr(args, name, None)
+
+        cfg = config_from_source(config=flag("config"), models=flag("models"))
+        options: dict[str, Any] = {k: flag(k) for k in ("method", "gate", "threshold", "primary", "agreement_skip")
+                                   if flag(k) is not None}
+        if flag("param"):
+            options["params"] = dict(_key_value(item) for item in flag("param"))
+        if flag("weights"):
+            try:
+                options["weights"] = [float(w) for w in flag("weights").split(",")]
+            except ValueError:
+                raise ConfigError(f"--weights: expected comma-separated numbers, got {flag('weights')!r}") from None
+        decoding = {k: flag(k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+                    if flag(k) is not None}
+        if flag("stop"):
+            decoding["stop"] = list(flag("stop"))
+        return cfg.with_overrides(**options, decoding=decoding, origin=flag("config") or "command line",
+                                  names={"weights": "--weights", "params": "--param"})
+
+
+def _weights(weights: Any, members: list[MemberConfig], label: str) -> list[Any]:
+    """Every member's weight from a list in member order or a ``{name: weight}`` mapping (others kept);
+    the values are checked by the config's validation (``members.<i>.weight``)."""
+    names = [m.name for m in members]
+    if isinstance(weights, Mapping):
+        bad = [n for n in weights if n not in names]
+        if bad:
+            raise ConfigError(f"{label}: {', '.join(map(repr, bad))} not a member (members: {', '.join(names)})")
+        return [weights.get(m.name, m.weight) for m in members]
+    if isinstance(weights, (list, tuple)):
+        if len(weights) != len(names):
+            raise ConfigError(f"{label}: {len(weights)} weights for {len(names)} members ({', '.join(names)})")
+        return list(weights)
+    raise ConfigError(f"{label}: expected a list in member order or a mapping of member names, got {weights!r}")
+
+
+def _key_value(item: str) -> tuple[str, Any]:
+    """``--param KEY=VALUE`` -> ``(KEY, VALUE as YAML)``."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--param: expected KEY=VALUE, got {item!r}")
+    return key.strip(), yaml.safe_load(value)
+
 
 def _format(err: ValidationError, origin: str) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{origin}: {loc}: {msg}")
+        lines.append(f"{origin}: {loc}: {msg}" if loc else f"{origin}: {msg}")  # model checks name their field
     return "\n".join(lines)
 
 
@@ -179,6 +270,14 @@ def load_config(path: str | Path) -> EnsembleConfig:
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}") from None
     return parse_config(data, origin=str(p))
+
+
+def config_from_source(*, config: str | Path | None = None, models: str | list[str] | None = None) -> EnsembleConfig:
+    """The config file ``config`` if given, else members from ``models`` (comma-separated), else the
+    bundled default ensemble."""
+    if config:
+        return load_config(config)
+    return config_from_models(models or ",".join(DEFAULT_ENSEMBLE))
 
 
 def config_from_models(models: str | list[str], **overrides: Any) -> EnsembleConfig:

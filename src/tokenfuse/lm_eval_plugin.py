@@ -25,7 +25,7 @@ Requests:
   ``max_gen_toks`` (default 256) counts chosen pieces.
 * ``loglikelihood`` with ``loglikelihood=text`` (default) — a heterogeneous ensemble has no shared
   token space, so each member scores the continuation in its own tokenization
-  (``Ensemble([member]).loglikelihood``: its own log-probabilities of its own tokens of the
+  (``Ensemble.single(member).loglikelihood``: its own log-probabilities of its own tokens of the
   continuation, each renormalised over its text + END ids), and the members' log-likelihoods are
   combined as text-level numbers: ``combine=mean`` gives the weighted mean ``sum_i w_i log p_i``
   (a weighted geometric mean of the members' sequence probabilities; the eval runner's ``seq-avg``
@@ -52,6 +52,8 @@ from collections.abc import Sequence
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from tokenfuse.config import config_from_source
+from tokenfuse.engine import Ensemble, Sampling
 from tokenfuse.errors import TokenfuseError
 
 
@@ -90,29 +92,20 @@ class TokenfuseLM(LM):
             raise TokenfuseError(f"combine: expected mean or mixture, got {combine!r}")
         if ensemble is None:
             ensemble = self._load(config, models, method=method, gate=gate, threshold=threshold, primary=primary)
-        from tokenfuse.engine.generate import Ensemble
-
         self.ensemble = ensemble
-        self.singles = [Ensemble([m], window=ensemble.window, parallel=False) for m in ensemble.members]
+        self.singles = [Ensemble.single(m, window=ensemble.window) for m in ensemble.members]
         self.mode, self.combine, self.chat = loglikelihood, combine, _bool(chat)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         self.max_gen_toks = int(max_gen_toks)
 
     @staticmethod
-    def _load(config, models, **over):
-        from tokenfuse.bundled import DEFAULT_ENSEMBLE
-        from tokenfuse.config import config_from_models, load_config, parse_config
+    def _load(config, models, **options):
+        """The ensemble of ``model_args``: the config (or ``+``-separated members), options applied."""
         from tokenfuse.load import load_ensemble
 
-        cfg = load_config(config) if config else config_from_models(
-            (models or "+".join(DEFAULT_ENSEMBLE)).replace("+", ",").replace("|", ","))
-        data = cfg.model_dump()
-        for key, value in over.items():
-            if value is not None:
-                data[key] = float(value) if key == "threshold" else value
-        if over.get("method") and over["method"] != cfg.method:
-            data["params"] = {}
-        return load_ensemble(parse_config(data, origin="model_args"), progress=False)
+        cfg = config_from_source(config=config, models=models and models.replace("+", ",").replace("|", ","))
+        cfg = cfg.with_overrides(**{k: v for k, v in options.items() if v is not None}, origin="model_args")
+        return load_ensemble(cfg, progress=False)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -174,8 +167,6 @@ class TokenfuseLM(LM):
         return scores
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from tokenfuse.engine.sampling import Sampling
-
         groups: dict[tuple, list[int]] = defaultdict(list)
         kwargs = []
         for k, r in enumerate(requests):

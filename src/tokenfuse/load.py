@@ -1,93 +1,16 @@
-"""Build members and ensembles from a config."""
+"""Build an ensemble from a config: its members placed (``tokenfuse.placement``), then combined.
+
+``load_member`` (one in-process member) lives in ``tokenfuse.placement.local`` and is re-exported here.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-from difflib import get_close_matches
-from pathlib import Path
-
-from tokenfuse.bundled import BUNDLED, ensure_converted
-from tokenfuse.config import EnsembleConfig, MemberConfig
-from tokenfuse.engine.generate import Ensemble
-from tokenfuse.errors import ConfigError
-from tokenfuse.members.base import Member
+from tokenfuse.config import EnsembleConfig
+from tokenfuse.engine import Ensemble
 from tokenfuse.paths import cache_dir
+from tokenfuse.placement.local import check_source, load_member, needs_transformers
 
-
-def resolve_backend(cfg: MemberConfig) -> str:
-    """``auto``: llama.cpp for GGUF sources (bundled models, ``.gguf`` files) on CPU when
-    llama-cpp-python is installed; transformers otherwise."""
-    if cfg.backend != "auto":
-        return cfg.backend
-    import torch
-
-    source = cfg.resolved_source
-    gguf = source in BUNDLED or source.endswith(".gguf") or bool(cfg.gguf_file)
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if gguf and on_cpu and importlib.util.find_spec("llama_cpp") is not None:
-        return "llamacpp"
-    return "transformers"
-
-
-def check_source(cfg: MemberConfig, index: int = 0) -> None:
-    """Fail fast, before any model is loaded, on a source that cannot be a model."""
-    if cfg.backend == "openai":  # served elsewhere; its tokenizer is checked when it loads
-        return
-    source = cfg.resolved_source
-    if source not in BUNDLED and not Path(source).expanduser().exists() and "/" not in source:
-        hint = get_close_matches(source, BUNDLED, n=1)
-        raise ConfigError(
-            f"members.{index}.source: {source!r} is neither a bundled model, a local path nor a hub id"
-            + (f"; did you mean {hint[0]!r}?" if hint else f" (bundled: {', '.join(BUNDLED)})")
-        )
-
-
-def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool = True, index: int = 0) -> Member:
-    """Load one member; a bundled name is converted into the cache on first use."""
-    root = cache_dir(root)
-    source = cfg.resolved_source
-    backend = resolve_backend(cfg)
-    check_source(cfg, index)
-    if backend == "openai":
-        from tokenfuse.members.remote import load_remote_member
-
-        return load_remote_member(cfg, root=root, progress=progress)
-    if backend == "llamacpp":
-        from tokenfuse.members.llamacpp import load_llamacpp_member
-
-        if source in BUNDLED:
-            gguf, tok_dir = BUNDLED[source].gguf_path(root), ensure_converted(source, root=root, model=False,
-                                                                              progress=progress)
-        else:
-            gguf = Path(source).expanduser() / cfg.gguf_file if cfg.gguf_file else Path(source).expanduser()
-            if gguf.suffix != ".gguf":
-                raise ConfigError(f"members.{index}.backend: llamacpp needs a .gguf file, got {source!r}; "
-                                  "set `backend: transformers` for a model directory or hub id")
-            tok_dir = None
-        return load_llamacpp_member(cfg.name, gguf, tokenizer_dir=tok_dir, weight=cfg.weight, n_ctx=cfg.n_ctx,
-                                    n_threads=cfg.n_threads, multi_seq=cfg.multi_seq, prefix_cache=cfg.prefix_cache,
-                                    align_cache=root / "alignment",
-                                    tokenizer_cache=root / "tokenizers")
-
-    from tokenfuse.members.transformers import load_transformers_member
-
-    tokenizer = None
-    if source in BUNDLED:
-        from tokenfuse.members.fasttok import FastTokenizer
-
-        source = str(ensure_converted(source, root=root, progress=progress))
-        tokenizer = FastTokenizer(source)  # checked against AutoTokenizer in tests/test_real.py
-    return load_transformers_member(
-        cfg.name, source, gguf_file=cfg.gguf_file, weight=cfg.weight, device=cfg.device, dtype=cfg.dtype,
-        trust_remote_code=cfg.trust_remote_code, align_cache=root / "alignment", tokenizer=tokenizer,
-    )
-
-
-def _needs_transformers(cfg: MemberConfig, root: Path) -> bool:
-    source = cfg.resolved_source
-    if resolve_backend(cfg) == "transformers":
-        return True
-    return source not in BUNDLED or not BUNDLED[source].is_cached(root, model=False)
+__all__ = ["check_source", "ensemble_from_members", "load_ensemble", "load_member"]
 
 
 def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
@@ -107,7 +30,7 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
         from tokenfuse.placement.ray import load_ray_members
 
         return ensemble_from_members(cfg, load_ray_members(cfg, root=root, progress=progress))
-    if any(_needs_transformers(m, root) for m in cfg.members):
+    if any(needs_transformers(m, root) for m in cfg.members):
         # transformers resolves its classes lazily on first import; doing that in several loader
         # threads at once can fail, so do it here, once, first.
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
@@ -123,9 +46,13 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
 
 def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None, progress: bool = False) -> Ensemble:
     """The ``Ensemble`` a config describes, on already loaded members (in the config's order), with
-    what its combiner needs built or loaded (e.g. DeePEn's relative matrices)."""
+    what its combiner needs built or loaded (e.g. DeePEn's relative matrices).
+
+    Each member's ``score`` becomes its config's (members built in memory, and the server's
+    re-weighted views of loaded members, get it here).
+    """
     for m, mc in zip(members, cfg.members):
-        m.score = mc.score  # DeePEn-Adapt reads it
+        m.score = mc.score
     ens = Ensemble(members, method=cfg.method, method_params=cfg.params, primary=cfg.primary_name,
                    agreement_skip=cfg.agreement_skip, gate=cfg.gate, threshold=cfg.threshold,
                    window=cfg.window, parallel=cfg.parallel, union=union,

@@ -37,13 +37,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenfuse.config import EnsembleConfig, parse_config
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.tasks import DEFAULT_SEED, PROMPT_FORMS, TASKS, generate_graded, load_task, uses_chat
 
 MAX_GAP_POINTS = 10.0
 MAX_LENGTH_RATIO = 2.0
 DEFAULT_MAX_MEMBERS = 3
 DEFAULT_LIMIT = 100
-PROMPT_FORMS = ("auto", "chat", "raw")
 
 
 @dataclass(frozen=True)
@@ -134,40 +135,27 @@ def select_members(results: Sequence[CandidateResult], *, max_members: int = DEF
 
 
 # ---------------------------------------------------------------------------------------- running
-def uses_chat(member, prompt_form: str = "auto") -> bool:
-    """Whether ``member`` gets the chat form: ``auto`` = it has a chat template."""
-    if prompt_form not in PROMPT_FORMS:
-        raise TokenfuseError(f"--prompt-form: expected one of {', '.join(PROMPT_FORMS)}, got {prompt_form!r}")
-    if prompt_form != "auto":
-        return prompt_form == "chat"
-    return bool(getattr(getattr(member, "tokenizer", None), "chat_template", None))
-
-
 def evaluate_candidate(ensemble, task, items: Sequence[dict], *, chat: bool, batch_size: int = 8,
                        max_new_tokens: int | None = None, progress: bool = True,
                        name: str | None = None) -> CandidateResult:
-    """Generate greedily for ``items`` in batches with ``ensemble`` (one member) and grade the outputs."""
+    """Generate greedily for ``items`` in batches with ``ensemble`` (one member) and grade the outputs
+    (``tokenfuse.tasks.generate_graded``)."""
     from tqdm.auto import tqdm
-
-    from tokenfuse.engine.sampling import Sampling
 
     if batch_size < 1:
         raise TokenfuseError(f"--batch-size: expected 1 or more, got {batch_size}")
     name = name or "+".join(m.name for m in ensemble.members)
-    stop, limit = task.stop(chat=chat), max_new_tokens or task.max_new_tokens
     outputs, correct, total_bytes = [], 0, 0
     t0 = time.perf_counter()
     with tqdm(total=len(items), desc=f"{name} ({task.name})", unit="item", disable=not progress) as bar:
         for start in range(0, len(items), batch_size):
             batch = items[start:start + batch_size]
-            prompts = [task.prompt(it, chat=chat) for it in batch]
-            gens = ensemble.generate(prompts, max_new_tokens=limit, sampling=Sampling(), stop=stop, chat=chat)
-            for it, g in zip(batch, gens):
-                s = task.score(it, g.text)
-                correct += s.correct
-                total_bytes += len(g.output)
-                outputs.append({"id": it["id"], "output": g.text, "bytes": len(g.output), "extracted": s.extracted,
-                                "correct": s.correct})
+            for r in generate_graded(ensemble, task, batch, chat=chat, max_new_tokens=max_new_tokens):
+                nbytes = len(r.generation.output)
+                correct += r.score.correct
+                total_bytes += nbytes
+                outputs.append({"id": r.item["id"], "output": r.text, "bytes": nbytes,
+                                "extracted": r.score.extracted, "correct": r.score.correct})
             bar.update(len(batch))
             bar.set_postfix(acc=f"{correct / len(outputs):.3f}")
     n = len(items)
@@ -178,20 +166,20 @@ def evaluate_candidate(ensemble, task, items: Sequence[dict], *, chat: bool, bat
 def run_candidates(cfg, task, items: Sequence[dict], *, batch_size: int = 8, prompt_form: str = "auto",
                    max_new_tokens: int | None = None, progress: bool = True,
                    log: Callable[[str], None] | None = None) -> list[CandidateResult]:
-    """Each member of ``cfg`` alone on ``items``: loaded once (``tokenfuse.load.load_member``), run,
-    then released before the next one is loaded."""
-    from tokenfuse import load
-    from tokenfuse.engine.generate import Ensemble
+    """Each member of ``cfg`` alone on ``items``: loaded once (``tokenfuse.placement.local.load_member``),
+    run, then released before the next one is loaded."""
+    from tokenfuse.engine import Ensemble
     from tokenfuse.paths import cache_dir
+    from tokenfuse.placement.local import check_source, load_member
 
     root = cache_dir(cfg.cache_dir)
     for i, m in enumerate(cfg.members):
-        load.check_source(m, i)
+        check_source(m, i)
     results = []
     for i, mc in enumerate(cfg.members):
         t0 = time.perf_counter()
-        member = load.load_member(mc, root=root, progress=progress, index=i)
-        ens = Ensemble([member], window=cfg.window, parallel=False, align_cache=root / "alignment")
+        member = load_member(mc, root=root, progress=progress, index=i)
+        ens = Ensemble.single(member, window=cfg.window, align_cache=root / "alignment")
         if log:
             log(f"{mc.name}: loaded in {time.perf_counter() - t0:.1f} s")
         chat = uses_chat(member, prompt_form)
@@ -204,8 +192,6 @@ def run_candidates(cfg, task, items: Sequence[dict], *, batch_size: int = 8, pro
 
 def selected_config(cfg, results: Sequence[CandidateResult], decisions: Sequence[Decision]):
     """The chosen ensemble as an ``EnsembleConfig`` (see the module docstring)."""
-    from tokenfuse.config import parse_config
-
     acc = {r.name: r.accuracy for r in results}
     by_name = {m.name: m for m in cfg.members}
     chosen = [d.name for d in decisions if d.taken]
@@ -267,8 +253,6 @@ def config_text(selection: Selection, *, task: str, n: int, seed: int) -> str:
 # ---------------------------------------------------------------------------------------- CLI
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``tokenfuse select`` on the ``tokenfuse`` command's subparsers."""
-    from tokenfuse.tasks import DEFAULT_SEED, TASKS
-
     p = subparsers.add_parser(
         "select", help="determine-then-ensemble: run each candidate alone on a task, keep the compatible ones",
         description="Run each candidate alone on a fixed subset of a benchmark task, then take the best and "
@@ -305,18 +289,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``tokenfuse select``: returns the exit code (errors raise ``TokenfuseError``)."""
-    import os
-
-    from tokenfuse.cli import resolve_config
-    from tokenfuse.tasks import load_task
-
     if args.limit is not None and args.limit < 0:
         raise TokenfuseError(f"--limit: expected 0 (all) or more, got {args.limit}")
-    cfg = resolve_config(args)
+    cfg = EnsembleConfig.from_args(args)
     task = load_task(args.task, args.data, num_fewshot=args.num_fewshot)
     items = task.subset(args.limit or None, args.subset_seed)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     quiet = args.quiet or args.json
     log = None if quiet else (lambda msg: print(msg, file=sys.stderr))
     t0 = time.perf_counter()

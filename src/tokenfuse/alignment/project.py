@@ -45,11 +45,9 @@ class Projector:
             for tid in ids.tolist():
                 groups.setdefault(int(m[tid]), []).append(tid)
             self.groups.append(groups)
-        self.group_slots = []  # (distinct multi-id entries, slot of each flat group id)
-        for ge in self.group_entry:
-            uniq, slot = torch.unique(ge, return_inverse=True)
-            self.group_slots.append((uniq, slot))
-        self.group_slots_np = [(u.numpy(), sl.numpy()) for u, sl in self.group_slots]
+        # per member: (distinct multi-id entries, slot of each flat group id), numpy
+        self.group_slots_np = [tuple(x.numpy() for x in torch.unique(ge, return_inverse=True))
+                               for ge in self.group_entry]
 
     def project(self, member: int, logprobs: torch.Tensor) -> torch.Tensor:
         """``float32[B, V_i]`` log-probs -> ``float32[B, U]`` probabilities summing to 1 per row."""
@@ -71,29 +69,6 @@ class Projector:
             return ids
         tid = int(self.union.inverse[member][entry])
         return [tid] if tid >= 0 else []
-
-    def top_entries(self, member: int, ids: torch.Tensor, logprobs: torch.Tensor,
-                    group_logprobs: torch.Tensor | None) -> torch.Tensor:
-        """Each row's most likely union entry for a member, or ``-1`` when it is not certain.
-
-        ``ids``/``logprobs`` (``[R]``): the member's most likely *text* id per row and its
-        log-probability; ``group_logprobs`` (``[R, len(group_ids)]``): log-probabilities of the ids of
-        entries the member holds several times. An entry's mass is the sum over its ids, so the top
-        id's entry is the top entry only if no multi-id entry outweighs it; rows where one does, or
-        where the top entry cannot be chosen (not representable), give ``-1``.
-        """
-        entries = self.maps[member][ids]
-        ok = entries >= 0
-        ok &= self.representable[entries.clamp_min(0)]
-        if group_logprobs is not None and group_logprobs.numel():
-            uniq, slot = self.group_slots[member]
-            sums = torch.zeros(group_logprobs.shape[0], len(uniq), dtype=torch.float32)
-            sums.index_add_(1, slot, group_logprobs.exp().float())
-            # the top id's own entry mass: its group's sum when it is a multi-id entry
-            hit = entries[:, None] == uniq[None, :]
-            own = torch.where(hit.any(1), (sums * hit).sum(1), logprobs.exp().float())
-            ok &= own >= sums.max(dim=1).values
-        return torch.where(ok, entries, torch.full_like(entries, -1))
 
     def member_id(self, member: int, union_index: int) -> int:
         """The member's own id for a union entry (``-1`` when it has no single token for it)."""

@@ -12,18 +12,15 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from tokenfuse.alignment.bytes import ByteCodec
+from tokenfuse.members.codec import DAMAGED, ByteCodec, pack_bytes, unpack_bytes
 
 END = 0
-# What reading a damaged cache file can raise (truncated or empty .npz: BadZipFile, EOFError).
-_DAMAGED = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ def build_union(codecs: Sequence[ByteCodec], *, cache: Path | None = None) -> Un
             object.__setattr__(union, "build_seconds", time.perf_counter() - start)
             object.__setattr__(union, "from_cache", True)
             return union
-        except _DAMAGED:
+        except DAMAGED:
             pass  # a damaged cache file is rebuilt below
     distinct: set[bytes] = set()
     for c in codecs:
@@ -112,26 +109,9 @@ def _representable(pieces: list[bytes], codecs: Sequence[ByteCodec]) -> np.ndarr
     return np.fromiter((len(p.translate(table, missing)) == len(p) for p in pieces), dtype=bool, count=len(pieces))
 
 
-def _blob(items: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((-1 if b is None else len(b) for b in items), dtype=np.int64, count=len(items))
-    data = np.frombuffer(b"".join(b for b in items if b), dtype=np.uint8)
-    return data, lengths
-
-
-def _unblob(data: np.ndarray, lengths: np.ndarray) -> list[bytes | None]:
-    raw = data.tobytes()
-    ends = np.cumsum(np.maximum(lengths, 0)).tolist()
-    out: list[bytes | None] = []
-    start = 0
-    for n, end in zip(lengths.tolist(), ends):
-        out.append(None if n < 0 else raw[start:end])
-        start = end
-    return out
-
-
 def _save(path: Path, union: UnionVocab, codecs: Sequence[ByteCodec]) -> None:
     arrays: dict[str, np.ndarray] = {}
-    arrays["pieces_data"], arrays["pieces_len"] = _blob(union.pieces)
+    arrays["pieces_data"], arrays["pieces_len"] = pack_bytes(union.pieces)
     arrays["representable"] = union.representable
     for c, m, inv in zip(codecs, union.maps, union.inverse):
         arrays[f"{c.fingerprint}.map"] = m
@@ -144,68 +124,10 @@ def _save(path: Path, union: UnionVocab, codecs: Sequence[ByteCodec]) -> None:
 
 def _load(path: Path, codecs: Sequence[ByteCodec]) -> UnionVocab:
     with np.load(path) as z:
-        pieces = _unblob(z["pieces_data"], z["pieces_len"])
+        pieces = unpack_bytes(z["pieces_data"], z["pieces_len"])
         return UnionVocab(
             pieces=[p or b"" for p in pieces],
             maps=[z[f"{c.fingerprint}.map"] for c in codecs],
             inverse=[z[f"{c.fingerprint}.inverse"] for c in codecs],
             representable=z["representable"],
         )
-
-
-def save_codec(path: Path, codec: ByteCodec) -> None:
-    """Write a member's byte tables (not its encoder) to ``path``."""
-    t = codec.tables()
-    data, lengths = _blob(t["token_bytes"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-    np.savez(
-        tmp,
-        data=data,
-        lengths=lengths,
-        byte_ids=np.array([-1 if i is None else i for i in t["byte_ids"]], dtype=np.int64),
-        end_ids=np.array(sorted(t["end_ids"]), dtype=np.int64),
-        special_ids=np.array(sorted(t["special_ids"]), dtype=np.int64),
-        meta=np.array([t["kind"], str(t["vocab_size"]), t["fingerprint"]]),
-    )
-    os.replace(tmp, path)
-
-
-def load_codec_tables(path: Path) -> dict:
-    """Read tables written by ``save_codec`` (pass them as ``ByteCodec(..., tables=...)``)."""
-    with np.load(path) as z:
-        kind, size, fp = z["meta"].tolist()
-        return {
-            "token_bytes": _unblob(z["data"], z["lengths"]),
-            "byte_ids": [None if i < 0 else int(i) for i in z["byte_ids"].tolist()],
-            "end_ids": frozenset(z["end_ids"].tolist()),
-            "special_ids": frozenset(z["special_ids"].tolist()),
-            "kind": kind,
-            "vocab_size": int(size),
-            "fingerprint": fp,
-        }
-
-
-def load_or_build_codec(tokenizer, *, vocab_size: int | None, extra_end_ids=(), extra_special_ids=(),
-                        content_hash: str | None = None, cache: Path | None = None) -> ByteCodec:
-    """A member's ``ByteCodec``, from the on-disk cache when its key matches."""
-    from tokenfuse.alignment.bytes import codec_key
-
-    if cache is None:
-        return ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
-                         extra_special_ids=extra_special_ids, content_hash=content_hash)
-    key = codec_key(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
-                    extra_special_ids=extra_special_ids, content_hash=content_hash)
-    path = cache / f"codec-{key}.npz"
-    if path.exists():
-        try:
-            codec = ByteCodec(tokenizer, tables=load_codec_tables(path))
-            codec.cache_path = path
-            return codec
-        except _DAMAGED:
-            pass
-    codec = ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
-                         extra_special_ids=extra_special_ids, content_hash=content_hash)
-    save_codec(path, codec)
-    codec.cache_path = path
-    return codec

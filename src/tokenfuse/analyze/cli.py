@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
 
 
@@ -31,13 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenfuse.cli import resolve_config
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.analysis is None:
         raise TokenfuseError("analyze: choose tokenizers or calibration (tokenfuse analyze --help)")
-    cfg = resolve_config(args)
+    cfg = EnsembleConfig.from_args(args)
     if args.analysis == "tokenizers":
         from tokenfuse.analyze.tokenizers import run_tokenizers
 

@@ -42,8 +42,9 @@ def common_words(n: int) -> list[str]:
 
 def load_codecs(cfg) -> dict[str, object]:
     """Each member's ``ByteCodec`` from its tokenizer alone (no model weights are loaded)."""
-    from tokenfuse.alignment.bytes import ByteCodec
-    from tokenfuse.bundled import BUNDLED, ensure_converted
+    from tokenfuse.members.codec import ByteCodec
+    from tokenfuse.bundled import BUNDLED
+    from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
 
     codecs = {}
     for m in cfg.members:
@@ -51,7 +52,7 @@ def load_codecs(cfg) -> dict[str, object]:
         if source in BUNDLED:
             from tokenfuse.members.fasttok import FastTokenizer
 
-            tok = FastTokenizer(ensure_converted(source, model=False, progress=False))
+            tok = FastTokenizer(ensure_tokenizer(source, progress=False))
         else:
             from transformers import AutoTokenizer
 

@@ -1,26 +1,32 @@
 """Combiner base class and registry: one small file per method, registered by name.
 
-A combiner sees one step through a ``StepView``: which members were computed for which rows
-(sequences), their outputs (full log-probabilities, or only top-k for top-k combiners) and the
-ensemble's alignment tables. It returns a ``Dist``: probabilities over union entries, either dense
+A combiner is bound once to a ``Setup`` (the members' ``VocabSpace``, the members, the primary
+member) and then sees one step at a time through a ``StepView``: which members were computed for
+which rows (sequences), their outputs (full log-probabilities, or only top-k for top-k combiners)
+and the vocabulary space. It returns a ``Dist``: probabilities over union entries, either dense
 (every union entry) or over a few candidate entries per row. The engine chooses from it.
+
+Each combiner declares its parameters as a pydantic model (``Params``); ``get_combiner`` and
+``validate_params`` check a method's parameters through it, so the config, the command line and
+the server's per-request options report a bad parameter the same way (``params.<key>: ...``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from difflib import get_close_matches
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tokenfuse.engine.generate import Ensemble
-    from tokenfuse.members.base import SeqState
+from tokenfuse.members.base import Member, SeqState
 
 
 @dataclass
@@ -39,25 +45,51 @@ class Dist:
         return col if self.index is None else int(self.index[row, col])
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a combiner is bound to (``Combiner.bind``), once per ensemble.
+
+    Attributes:
+        space: the members' vocabularies aligned on exact bytes.
+        members: the members, in ``space.names`` order (their weights, ``score`` and, for DeePEn,
+            their input embeddings).
+        primary: index of the primary member.
+        cache_dir: where a combiner may cache what it builds (``None``: nothing on disk).
+    """
+
+    space: VocabSpace
+    members: Sequence[Member]
+    primary: int = 0
+    cache_dir: Path | None = None
+
+
+def _untimed(_stage: str) -> AbstractContextManager:
+    return nullcontext()
+
+
 @dataclass
 class StepView:
     """One step as a combiner sees it.
 
     Attributes:
-        ens: the ensemble (``union``, ``projector``, ``members`` with their codecs).
+        space: the members' vocabulary space (``union``, ``projector``, ``aligner``, ``codecs``).
+        models: every member, in ensemble order (for ``token_logprobs``).
         states: per computed member, its ``SeqState`` of every row.
-        members: the computed members (indices into ``ens.members``), in ensemble order.
+        members: the computed members (indices into ``models``), in ensemble order.
         weights: their raw weights.
         logprobs: full ``float32[R, V_i]`` log-probabilities per member (``needs == "full"``).
         topk: ``(logprobs float32[R, k], ids int64[R, k])`` per member (``needs == "topk"``).
+        stage: the engine's stage timer (``stage("align")`` is a context manager).
     """
 
-    ens: Ensemble
+    space: VocabSpace
+    models: Sequence[Member]
     states: dict[int, list[SeqState]]
     members: list[int]
     weights: list[float]
     logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    stage: Callable[[str], AbstractContextManager] = _untimed
 
     @property
     def rows(self) -> int:
@@ -65,7 +97,8 @@ class StepView:
 
     def project(self, i: int) -> torch.Tensor:
         """Member ``i``'s distribution mapped into the union (``float32[R, U]``), timed as alignment."""
-        return self.ens.project(i, self.logprobs[i])
+        with self.stage("align"):
+            return self.space.project(i, self.logprobs[i])
 
     def live_weights(self) -> list[tuple[int, float]]:
         """The computed members with a positive weight and their normalised weights."""
@@ -75,13 +108,21 @@ class StepView:
 
     def token_logprobs(self, i: int, ids: torch.Tensor) -> torch.Tensor:
         """Member ``i``'s log-probabilities of named ids ``int64[R, n]`` (the member contract)."""
-        return self.ens.members[i].token_logprobs(self.states[i], ids)
+        return self.models[i].token_logprobs(self.states[i], ids)
+
+
+class NoParams(BaseModel):
+    """A method without parameters."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class Combiner(ABC):
     """Turns the computed members' outputs into one distribution over union entries.
 
     Class attributes:
+        name: the registered method name.
+        Params: the pydantic model of the method's parameters (``extra="forbid"``).
         needs: ``"full"`` (every member's whole distribution) or ``"topk"`` (only ``self.k`` most
             likely tokens per member plus log-probabilities of named ids: members that expose only
             top-k log-probabilities, such as remote servers, can take part).
@@ -91,12 +132,17 @@ class Combiner(ABC):
     """
 
     name: ClassVar[str]
+    Params: ClassVar[type[BaseModel]] = NoParams
     needs: ClassVar[str] = "full"
     exact_agreement: ClassVar[bool] = True
     k: int = 0
 
-    def bind(self, ens: Ensemble) -> None:  # noqa: B027 - optional hook
+    def __init__(self, params: BaseModel | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    def bind(self, setup: Setup) -> None:
         """Called once by the ensemble that uses the combiner (precompute tables here)."""
+        self.space = setup.space
 
     def prepare(self, *, progress: bool = True) -> float:
         """Build or load what the combiner needs before the first step; returns seconds."""
@@ -113,20 +159,21 @@ class Combiner(ABC):
         probability of the entry (its own mass on those bytes, or on the first sub-token of them
         when it has no such token, as in UniTE), each member normalised over its text + END ids.
         """
-        ens = view.ens
+        space = view.space
         out = torch.zeros(view.rows, dtype=torch.float64)
         for i, w in view.live_weights():
             lp = view.logprobs[i]
-            text = ens.projector.maps[i][: lp.shape[-1]] >= 0
+            text = space.projector.maps[i][: lp.shape[-1]] >= 0
             norm = torch.where(text, lp, torch.full_like(lp, float("-inf"))).logsumexp(-1)
             for r, e in enumerate(entries):
-                ids = ens.aligner.query_ids(i, e)
+                ids = space.aligner.query_ids(i, e)
                 if ids:
                     out[r] += w * float((lp[r, ids] - norm[r]).exp().sum())
         return out
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name}
+        """The method and the parameters given explicitly (defaults left out)."""
+        return {"method": self.name, **self.params.model_dump(exclude_unset=True)}
 
 
 def weighted_average(probs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -147,11 +194,22 @@ REGISTRY: dict[str, type[Combiner]] = {}
 
 
 def register(cls: type[Combiner]) -> type[Combiner]:
-    REGISTRY[cls.name] = cls
+    """Class decorator: make ``cls`` available as ``method: <cls.name>``."""
+    if not (isinstance(cls, type) and issubclass(cls, Combiner)):
+        raise TypeError(f"register: {cls!r} is not a Combiner subclass")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register: {cls.__name__} has no `name`")
+    if name in REGISTRY and REGISTRY[name] is not cls:
+        raise ValueError(f"register: method {name!r} is already registered by {REGISTRY[name].__name__}")
+    if not (isinstance(cls.Params, type) and issubclass(cls.Params, BaseModel)):
+        raise TypeError(f"register: {cls.__name__}.Params must be a pydantic model")
+    REGISTRY[name] = cls
     return cls
 
 
-def get_combiner(name: str, **params) -> Combiner:
+def combiner_class(name: str) -> type[Combiner]:
+    """The registered combiner called ``name``; a ``ConfigError`` listing the others if none is."""
     if name not in REGISTRY:
         hint = get_close_matches(name, REGISTRY, n=1)
         raise ConfigError(
@@ -159,7 +217,33 @@ def get_combiner(name: str, **params) -> Combiner:
             + (f"; did you mean {hint[0]!r}?" if hint else "")
             + f" (available: {', '.join(sorted(REGISTRY))})"
         )
+    return REGISTRY[name]
+
+
+def _params(cls: type[Combiner], params: dict[str, Any]) -> BaseModel:
     try:
-        return REGISTRY[name](**params)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"params: {name}: {err}") from None
+        return cls.Params.model_validate(params)
+    except ValidationError as err:
+        known = ", ".join(cls.Params.model_fields) or "none"
+        lines = []
+        for e in err.errors():
+            key = ".".join(str(p) for p in e["loc"])
+            if e["type"] == "extra_forbidden":
+                msg = f"unexpected keyword argument {key!r} (known: {known})"
+            else:
+                msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"params.{key}: {cls.name}: {msg}")
+        raise ConfigError("; ".join(lines)) from None
+
+
+def validate_params(method: str, params: dict[str, Any] | None) -> dict[str, Any]:
+    """Check ``params`` against method ``method``'s declared parameters; returns them as given
+    (validated, defaults not filled in). Raises ``ConfigError`` naming ``method`` or ``params.<key>``."""
+    cls = combiner_class(method)
+    return _params(cls, dict(params or {})).model_dump(exclude_unset=True)
+
+
+def get_combiner(name: str, **params: Any) -> Combiner:
+    """A new combiner ``name`` with ``params`` (validated through its ``Params`` model)."""
+    cls = combiner_class(name)
+    return cls(_params(cls, params))

@@ -33,29 +33,44 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from tokenfuse.combiners.base import Combiner, Dist, StepView, register
+from tokenfuse.combiners.base import Combiner, Dist, Setup, StepView, register
 from tokenfuse.errors import AlignmentError
+
+
+class UniTEParams(BaseModel):
+    """``k``: each member's top-k tokens that become candidates (the paper's default: 10)."""
+
+    model_config = ConfigDict(extra="forbid")
+    k: int = 10
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _positive(cls, k):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        return k
 
 
 @register
 class UniTE(Combiner):
     name = "unite"
+    Params = UniTEParams
     needs = "topk"
 
-    def __init__(self, k: int = 10) -> None:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
-        self.k = k
+    def __init__(self, params: UniTEParams | None = None) -> None:
+        super().__init__(params)
+        self.k = self.params.k
 
     def describe(self) -> dict:
         return {"method": self.name, "k": self.k}
 
-    def bind(self, ens) -> None:
-        self.ens = ens
-        self.proj = ens.projector
-        self.union = ens.union
-        self.aligner = ens.aligner
+    def bind(self, setup: Setup) -> None:
+        super().bind(setup)
+        self.proj = setup.space.projector
+        self.union = setup.space.union
+        self.aligner = setup.space.aligner
 
     # ------------------------------------------------------------------ alignment
     def candidates(self, view: StepView) -> list[list[int]]:

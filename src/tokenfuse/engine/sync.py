@@ -11,7 +11,7 @@ is held back (``covered < len(output)``) until it can be encoded as part of a fu
 
 from __future__ import annotations
 
-from tokenfuse.alignment.bytes import ByteCodec
+from tokenfuse.members.codec import ByteCodec
 from tokenfuse.errors import AlignmentError, SyncError
 from tokenfuse.members.base import SeqState
 
@@ -73,7 +73,7 @@ def resync(codec: ByteCodec, st: SeqState, output: bytes, *, window: int = 8, ch
 def _encode_window(codec: ByteCodec, output: bytes, start: int) -> tuple[list[int], int, bool]:
     """Ids for ``output[start:]``, the output length they cover, and whether a raw-byte tail is in."""
     seg = output[start:]
-    tail = _incomplete_tail(seg)
+    tail = incomplete_tail(seg)
     if tail and codec.can_encode_bytes(seg[-tail:]):
         try:
             return codec.encode_bytes(seg), len(output), True
@@ -83,7 +83,7 @@ def _encode_window(codec: ByteCodec, output: bytes, start: int) -> tuple[list[in
     return codec.encode_bytes(body), start + len(body), False
 
 
-def _incomplete_tail(data: bytes) -> int:
+def incomplete_tail(data: bytes) -> int:
     """Length of an unfinished UTF-8 character at the end of ``data`` (0 if none)."""
     for back in range(1, min(4, len(data)) + 1):
         b = data[-back]

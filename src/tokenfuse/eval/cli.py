@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.eval.methods import ALL_METHODS, DEFAULT_THRESHOLD
+from tokenfuse.eval.report import markdown_table
+from tokenfuse.eval.runner import DEFAULT_TASKS, FORMS, EvalSettings, run_eval
 
 
 def _int_map(text: str | None, flag: str) -> dict[str, int]:
@@ -27,9 +30,6 @@ def _int_map(text: str | None, flag: str) -> dict[str, int]:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from tokenfuse.eval.methods import ALL_METHODS
-    from tokenfuse.eval.runner import DEFAULT_TASKS, FORMS
-
     p = subparsers.add_parser(
         "eval", help="benchmark accuracy of each member alone, the ensembles and output-level baselines",
         description="Run every method on the same fixed seeded items of each task and write per-item JSONL "
@@ -58,24 +58,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenfuse.cli import resolve_config
-    from tokenfuse.eval.report import markdown_table
-    from tokenfuse.eval.runner import EvalSettings, run_eval
-
     if args.limit is not None and args.limit < 1:
         raise TokenfuseError(f"--limit: expected 1 or more, got {args.limit}")
     if args.batch_size < 1:
         raise TokenfuseError(f"--batch-size: expected 1 or more, got {args.batch_size}")
-    cfg = resolve_config(args)
+    cfg = EnsembleConfig.from_args(args)
     if args.eval_gate or args.eval_threshold is not None:  # only gac-threshold uses them
-        from tokenfuse.config import parse_config
-        from tokenfuse.eval.methods import DEFAULT_THRESHOLD
-
         threshold = args.eval_threshold if args.eval_threshold is not None else (cfg.threshold or DEFAULT_THRESHOLD)
-        cfg = parse_config({**cfg.model_dump(), "gate": args.eval_gate or cfg.gate or cfg.primary_name,
-                            "threshold": threshold}, origin="--gate/--threshold")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        cfg = cfg.with_overrides(gate=args.eval_gate or cfg.gate or cfg.primary_name, threshold=threshold,
+                                 origin="--gate/--threshold")
     settings = EvalSettings(
         tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], methods=args.methods, limit=args.limit,
         limits=_int_map(args.task_limits, "--task-limits"), seed=args.seed, data=args.data, out=args.out,

@@ -46,7 +46,7 @@ class MethodSpec:
         name: the row name (``single:<member>``, ``gac``, ``vote``, ...).
         kind: ``engine`` (an ``Ensemble`` variant runs) or ``output`` (computed from the singles).
         members: member names the row uses (one for ``single``).
-        overrides: config fields for ``ensemble_from_members`` (``method``, ``params``, ``gate``, ``threshold``).
+        overrides: options for ``EnsembleConfig.with_overrides`` (``method``, ``gate``, ``threshold``).
     """
 
     name: str
@@ -96,10 +96,10 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
             continue
         if n == "gac-threshold":
             gate = cfg.gate or primary
-            over = {"method": "gac", "params": {}, "gate": gate,
+            over = {"method": "gac", "gate": gate,
                     "threshold": cfg.threshold if cfg.threshold is not None else DEFAULT_THRESHOLD}
-        else:
-            over = {"method": n, "params": cfg.params if cfg.method == n else {}, "gate": None, "threshold": None}
+        else:  # the config's params carry over only to its own method (EnsembleConfig.with_overrides)
+            over = {"method": n, "gate": None, "threshold": None}
         specs.append(MethodSpec(n, "engine", members, over))
     if form == "likelihood" and len(members) > 1 and "seq-avg" not in [s.name for s in specs]:
         specs.append(MethodSpec("seq-avg", "output", members))  # the issue's sequence-level baseline, always shown

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenfuse.errors import TokenfuseError
-from tokenfuse.eval.methods import (MethodSpec, majority_vote, mbr_select, parse_methods, plan_methods)
+from tokenfuse.eval.methods import MethodSpec, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.records import append_records, item_file, read_records
+from tokenfuse.tasks import generate_graded, prompt_form
 
 FORMS = ("likelihood", "generate")
 DEFAULT_TASKS = ("gsm8k", "mmlu", "arc_challenge", "arc_easy", "piqa", "boolq", "triviaqa", "nq_open", "bbh")
@@ -73,32 +74,16 @@ def task_form(task, mc: str) -> str:
     return mc if task.multiple_choice else "generate"
 
 
-def prompt_form(members) -> bool | str:
-    """``True`` (chat) if every member has a chat template, ``False`` (raw) if none has, else
-    ``"mixed"`` (each member gets its own form)."""
-    from tokenfuse.select import uses_chat
-    from tokenfuse.tasks.base import MIXED
-
-    flags = {uses_chat(m) for m in members}
-    return MIXED if len(flags) > 1 else flags.pop()
-
-
 # ---------------------------------------------------------------------------------------- engine rows
-def generate_records(ens, task, items: Sequence[dict], *, chat: bool, max_new_tokens: int) -> list[dict]:
-    """Greedy generation for one batch, graded; one record per item."""
-    from tokenfuse.engine.sampling import Sampling
-
+def generate_records(ens, task, items: Sequence[dict], *, chat: bool | str, max_new_tokens: int) -> list[dict]:
+    """Greedy generation for one batch, graded (``tokenfuse.tasks.generate_graded``); one record per item."""
     t0 = time.perf_counter()
-    gens = ens.generate([task.prompt(it, chat=chat) for it in items], max_new_tokens=max_new_tokens,
-                        sampling=Sampling(), stop=task.stop(chat=chat), chat=chat)
+    graded = generate_graded(ens, task, items, chat=chat, max_new_tokens=max_new_tokens)
     per_item = (time.perf_counter() - t0) / max(len(items), 1)
-    out = []
-    for it, g in zip(items, gens):
-        s = task.score(it, g.text)
-        out.append({"id": it["id"], "output": g.text, "extracted": s.extracted, "correct": bool(s.correct),
-                    "steps": g.steps, "ensembled": g.ensembled_steps, "skipped": g.skipped_steps,
-                    "finish": g.finish_reason, "chat": chat, "seconds": round(per_item, 4)})
-    return out
+    return [{"id": r.item["id"], "output": r.text, "extracted": r.score.extracted, "correct": bool(r.score.correct),
+             "steps": r.generation.steps, "ensembled": r.generation.ensembled_steps,
+             "skipped": r.generation.skipped_steps, "finish": r.generation.finish_reason, "chat": chat,
+             "seconds": round(per_item, 4)} for r in graded]
 
 
 def argmax(values: Sequence[float]) -> int:
@@ -182,26 +167,21 @@ def _bar(total: int, desc: str, enabled: bool):
 
 
 def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = False):
-    """The ``Ensemble`` of one engine row on the already loaded ``members``."""
-    from tokenfuse.config import parse_config
-    from tokenfuse.engine.generate import Ensemble
+    """The ``Ensemble`` of one engine row on the already loaded ``members`` (a ``single:`` row is
+    the member alone; any other row the config with the row's overrides, its combiner prepared)."""
+    from tokenfuse.engine import Ensemble
     from tokenfuse.load import ensemble_from_members
     from tokenfuse.paths import cache_dir
 
-    by_name = {m.name: m for m in members}
     if spec.name.startswith("single:"):
-        return Ensemble([by_name[spec.members[0]]], window=cfg.window, parallel=False,
-                        align_cache=cache_dir(cfg.cache_dir) / "alignment")
-    variant = parse_config({**cfg.model_dump(), **spec.overrides}, origin=f"method {spec.name}")
-    ens = ensemble_from_members(variant, members, union=union)
-    prepare = getattr(ens.combiner, "prepare", None)
-    if prepare is not None:  # e.g. DeePEn's relative representations (as load_ensemble does)
-        prepare(progress=progress)
-    return ens
+        member = next(m for m in members if m.name == spec.members[0])
+        return Ensemble.single(member, window=cfg.window, align_cache=cache_dir(cfg.cache_dir) / "alignment")
+    variant = cfg.with_overrides(**spec.overrides, origin=f"method {spec.name}")
+    return ensemble_from_members(variant, members, union=union, progress=progress)
 
 
-def run_task(cfg, members, union, task, specs: Sequence[MethodSpec], settings: EvalSettings, *,
-             log: Callable[[str], None]) -> dict[str, list[dict]]:
+def run_task(cfg, members, union, task, specs: Sequence[MethodSpec],
+             settings: EvalSettings) -> dict[str, list[dict]]:
     """Run (or resume) every row of one task; returns the records per method, in item order."""
     form = task_form(task, settings.mc)
     items = task.subset(settings.limits.get(task.name, settings.limit), settings.seed)
@@ -278,7 +258,7 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
         form = task_form(task, settings.mc)
         specs = plan_methods(cfg, methods, form=form, registered=list(REGISTRY), log=log)
         t0 = time.perf_counter()
-        all_records[task.name] = run_task(cfg, members, union, task, specs, settings, log=log)
+        all_records[task.name] = run_task(cfg, members, union, task, specs, settings)
         forms[task.name] = form
         log(f"{task.name} ({form}): {len(next(iter(all_records[task.name].values()), []))} items, "
             f"{time.perf_counter() - t0:.0f} s")

@@ -27,9 +27,3 @@ def bootstrap_ci(values: Sequence[float], *, resamples: int = DEFAULT_RESAMPLES,
     lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
 
-
-def paired_bootstrap_gain(a: Sequence[float], b: Sequence[float], *, resamples: int = DEFAULT_RESAMPLES,
-                          seed: int = DEFAULT_SEED, level: float = 0.95) -> tuple[float, float]:
-    """Interval of ``mean(a) - mean(b)`` over paired items (the same resampled items for both)."""
-    x = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
-    return bootstrap_ci(x, resamples=resamples, seed=seed, level=level)

@@ -3,6 +3,10 @@
 A member turns token ids into next-token log-probabilities. It knows nothing about the other
 members: the engine keeps its ids in sync with the shared output bytes (``tokenfuse.engine.sync``)
 and only tells it, through ``SeqState.n_valid``, how much of its KV cache is still good.
+
+``Member`` is what every member provides, wherever it runs (in this process, behind an
+OpenAI-compatible server, in a Ray actor). ``LocalMember`` adds the chunked forward of a model
+whose weights are in this process (llama.cpp, transformers): a backend implements ``_forward``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Any
 
 import torch
 
-from tokenfuse.alignment.bytes import ByteCodec
+from tokenfuse.errors import ConfigError, TokenfuseError
+from tokenfuse.members.codec import ByteCodec
+from tokenfuse.members.embeddings import EmbeddingRows
 
 
 @dataclass
@@ -65,29 +71,40 @@ class SeqState:
 
 
 class Member(ABC):
-    """One causal LM of the ensemble.
+    """One causal LM of the ensemble: everything the engine, combiners and server may ask of it.
 
     Attributes:
         name: the member's name (unique in an ensemble).
         codec: exact bytes of its vocabulary and its bytes -> ids encoder.
         weight: its ensemble weight before normalisation.
         tokenizer: the Hugging Face tokenizer (chat template, prompt encoding).
+        score: its dev-set accuracy from its config (as ``tokenfuse select`` writes it; DeePEn-Adapt
+            reads it), ``None`` when unknown.
+        context_length: its context in its own tokens (``None``: unknown, not checked).
+        load_seconds: time it took to load.
     """
 
     name: str
     codec: ByteCodec
     weight: float
     tokenizer: Any
+    score: float | None = None
+    context_length: int | None = None
     load_seconds: float = 0.0
 
     # ------------------------------------------------------------------ prompts
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether its tokenizer has a chat template (``render_chat`` uses it)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def render_chat(self, messages: Sequence[dict]) -> tuple[str, bool]:
         """The member's own rendering of chat ``messages`` and whether it came from a chat template.
 
         A member without a chat template gets a plain rendering: each message as
         ``"{Role}: {content}\\n\\n"`` followed by ``"Assistant:"``.
         """
-        if getattr(self.tokenizer, "chat_template", None):
+        if self.has_chat_template:
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
             return text, True
         return plain_chat(messages), False
@@ -101,8 +118,6 @@ class Member(ABC):
         if not ids:  # an empty prompt: the model still needs one position to predict from
             start = bos if bos is not None else getattr(self.tokenizer, "eos_token_id", None)
             if start is None:
-                from tokenfuse.errors import ConfigError
-
                 raise ConfigError(f"member {self.name!r}: empty prompt and the tokenizer has no BOS or EOS token")
             ids = [start]
         return list(ids)
@@ -110,6 +125,53 @@ class Member(ABC):
     # ------------------------------------------------------------------ state and compute
     def new_state(self, prompt_ids: Sequence[int]) -> SeqState:
         return SeqState(prompt_ids=list(prompt_ids))
+
+    @abstractmethod
+    def next_logprobs(self, states: Sequence[SeqState]) -> torch.Tensor:
+        """Log-probabilities of the next token for each state, ``float32[B, V]``, after feeding every
+        pending id (the cache cropped to ``n_valid`` first)."""
+
+    @abstractmethod
+    def next_topk(self, states: Sequence[SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely next tokens per state: ``(logprobs float32[B, k], ids int64[B, k])``,
+        most likely first.
+
+        This and ``token_logprobs`` are all a top-k combiner (UniTE) asks of a member, so a member
+        that only exposes top-k log-probabilities (a remote server) can serve top-k methods.
+        """
+
+    @abstractmethod
+    def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the named next-token ``ids`` (``int64[B, n]``) after ``next_topk`` or
+        ``next_logprobs`` ran on the same states; returns ``float32[B, n]``."""
+
+    def release(self, state: SeqState) -> None:
+        """Free a finished sequence's cache."""
+        state.cache = None
+        state.logprobs = None
+
+    # ------------------------------------------------------------------ weights
+    def embedding_rows(self) -> EmbeddingRows:
+        """Row-by-row access to its input embeddings (what DeePEn reads), without copying the table.
+
+        Only members whose weights are in this process have them; the others raise ``TokenfuseError``.
+        """
+        raise TokenfuseError(
+            f"member {self.name!r} ({type(self).__name__}) has no input embeddings in this process: DeePEn needs "
+            "local weights (backend llamacpp or transformers with placement: local); use another method")
+
+    def input_embeddings(self) -> torch.Tensor:
+        """Its input-embedding table, ``float32[V_i, d]`` on the CPU (transformers: the model's own
+        tensor when it already is that: read it, never write it)."""
+        return self.embedding_rows().all()
+
+
+class LocalMember(Member):
+    """A member whose model runs in this process: one chunked forward per sequence that needs it.
+
+    A backend implements ``_forward`` (and may batch in ``_forward_batch``); the last result of each
+    state is kept in ``SeqState.logprobs`` for ``next_topk`` and ``token_logprobs``.
+    """
 
     def next_logprobs(self, states: Sequence[SeqState]) -> torch.Tensor:
         """Log-probabilities of the next token for each state, ``float32[B, V]``.
@@ -127,19 +189,11 @@ class Member(ABC):
         return torch.stack([st.logprobs for st in states])
 
     def next_topk(self, states: Sequence[SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` most likely next tokens per state: ``(logprobs float32[B, k], ids int64[B, k])``,
-        most likely first.
-
-        This and ``token_logprobs`` are all a top-k combiner (UniTE) asks of a member, so a member
-        that only exposes top-k log-probabilities (a remote server) can implement just these two.
-        """
         lp = self.next_logprobs(states)
         return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
 
     def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of the named next-token ``ids`` (``int64[B, n]``) after ``next_topk`` or
-        ``next_logprobs`` ran on the same states; returns ``float32[B, n]``."""
-        return torch.stack([st.logprobs[row.clamp(0, st.logprobs.shape[-1] - 1)] for st, row in zip(states, ids)])
+        return kept_logprobs(states, ids)
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Forward the states that need it; by default one chunked forward each."""
@@ -149,10 +203,11 @@ class Member(ABC):
     def _forward(self, state: SeqState) -> torch.Tensor:
         """Crop the cache to ``state.n_valid``, feed the rest, return ``float32[V]`` log-probs."""
 
-    def release(self, state: SeqState) -> None:
-        """Free a finished sequence's cache."""
-        state.cache = None
-        state.logprobs = None
+
+def kept_logprobs(states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
+    """``float32[B, n]``: the log-probabilities of ``ids`` in each state's kept ``logprobs``
+    (ids past the vocabulary read its last entry)."""
+    return torch.stack([st.logprobs[row.clamp(0, st.logprobs.shape[-1] - 1)] for st, row in zip(states, ids)])
 
 
 def plain_chat(messages: Sequence[dict]) -> str:

@@ -7,6 +7,10 @@ Hugging Face tokenizer interface that tokenfuse calls: ``backend_tokenizer``, ``
 ``apply_chat_template`` (rendered with a sandboxed Jinja2 environment like transformers does),
 ``eos_token_id``, ``bos_token_id``, ``all_special_ids``, ``convert_ids_to_tokens``, ``decode``,
 ``__len__``.
+
+For a bundled model the directory is written by ``tokenfuse.members.gguf_tokenizer`` straight from
+the GGUF (the same bytes as the transformers conversion, which ``tests/test_gguf_tokenizer.py``
+checks).
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenfuse.alignment.union import load_or_build_codec
 from tokenfuse.errors import ModelLoadError, ModelNotInstalledError
-from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.base import LocalMember, SeqState
+from tokenfuse.members.codec import load_or_build_codec
+from tokenfuse.members.embeddings import EmbeddingRows
 
 PIP_LLAMACPP = 'pip install "llama-cpp-python==0.3.36"'
 # llama-cpp-python silences llama.cpp while it loads by redirecting the process's stdout/stderr
@@ -81,8 +82,11 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class LlamaCppMember(Member):
-    """A GGUF model run by llama.cpp, one context per live sequence."""
+class LlamaCppMember(LocalMember):
+    """A GGUF model run by llama.cpp, one context per live sequence.
+
+    ``context_length`` is ``n_ctx``: each sequence's own context holds that many positions.
+    """
 
     def __init__(self, name: str, gguf_path: str | os.PathLike, tokenizer: Any, *, weight: float = 1.0,
                  n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512, multi_seq: int = 0,
@@ -114,7 +118,7 @@ class LlamaCppMember(Member):
         self.multi_seq = multi_seq
         self._multi: _Slot | None = None
         self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
-        self._n_ctx = n_ctx
+        self.context_length = n_ctx
         eos = [self.llm.token_eos()]
         eot = self._lib.llama_vocab_eot(self.llm._model.vocab)
         if eot >= 0:
@@ -137,6 +141,10 @@ class LlamaCppMember(Member):
                 ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
         return _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
 
+    def embedding_rows(self) -> EmbeddingRows:
+        """The GGUF's ``token_embd.weight``, memory-mapped (rows dequantised on demand)."""
+        return EmbeddingRows(gguf_path=self.path)
+
     def token_piece(self, token_id: int) -> bytes:
         """llama.cpp's own bytes for a token id (text tokens; specials give b"")."""
         buf = ctypes.create_string_buffer(256)
@@ -152,7 +160,8 @@ class LlamaCppMember(Member):
             from llama_cpp._internals import LlamaBatch, LlamaContext
 
             params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
-            params.n_seq_max, params.kv_unified, params.n_ctx = self.multi_seq, True, self._n_ctx * self.multi_seq
+            params.n_seq_max, params.kv_unified = self.multi_seq, True
+            params.n_ctx = self.context_length * self.multi_seq
             with _LOAD_LOCK:
                 ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
             self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))

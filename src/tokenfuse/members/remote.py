@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ import torch
 
 from tokenfuse.errors import ConfigError, ModelLoadError, TokenfuseError
 from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.codec import load_or_build_codec
 
 
 class MemberUnavailableError(TokenfuseError):
@@ -70,9 +71,10 @@ class _Top:
 
 @dataclass
 class _Remote:
+    """A sequence's state on this side: its prompt text (for text-prompt servers) and last answer."""
+
     prompt_text: str | None
     top: _Top | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class _Retry(Exception):
@@ -89,7 +91,7 @@ class RemoteMember(Member):
         top_k: log-probabilities asked per step (at least the combiner's ``k``).
         prompt_format: ``auto`` | ``ids`` | ``text`` (see the module docstring).
         topk_fill: ``error`` | ``uniform`` (full distributions for GaC; module docstring).
-        context_length: the server's context, for the server's prompt-length check.
+        context_length: the server's context in its tokens (``None``: unknown, not checked).
     """
 
     def __init__(self, name: str, tokenizer: Any, *, base_url: str, model: str, api_key: str | None = None,
@@ -97,8 +99,6 @@ class RemoteMember(Member):
                  prompt_format: str = "auto", topk_fill: str = "error", context_length: int | None = None,
                  cooldown: float = 5.0, align_cache: Path | None = None, client: Any = None) -> None:
         import httpx
-
-        from tokenfuse.alignment.union import load_or_build_codec
 
         self.name = name
         self.tokenizer = tokenizer
@@ -202,9 +202,6 @@ class RemoteMember(Member):
                 out[r, tid] = v
             out[r] = torch.log_softmax(out[r], dim=-1)  # exactly normalised
         return out
-
-    def _forward(self, state: SeqState) -> torch.Tensor:  # not used: next_* are overridden
-        return self.next_logprobs([state])[0]
 
     def release(self, state: SeqState) -> None:
         if isinstance(state.cache, _Remote):
@@ -321,13 +318,14 @@ def _stale(st: SeqState) -> bool:
 
 def load_remote_member(cfg, *, root: Path, progress: bool = True) -> RemoteMember:
     """A ``backend: openai`` member from its config (its tokenizer loaded locally)."""
-    from tokenfuse.bundled import BUNDLED, ensure_converted
+    from tokenfuse.bundled import BUNDLED
     from tokenfuse.members.fasttok import FastTokenizer
+    from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
 
     t0 = time.perf_counter()
     source = cfg.tokenizer or cfg.resolved_source
     if source in BUNDLED:
-        tokenizer = FastTokenizer(ensure_converted(source, root=root, model=False, progress=progress))
+        tokenizer = FastTokenizer(ensure_tokenizer(source, root=root, progress=progress))
     elif (Path(source).expanduser() / "tokenizer.json").is_file():
         tokenizer = FastTokenizer(Path(source).expanduser())
     else:

@@ -9,15 +9,19 @@ from typing import Any
 
 import torch
 
-from tokenfuse.alignment.union import load_or_build_codec
 from tokenfuse.errors import ModelLoadError
-from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.base import LocalMember, SeqState
+from tokenfuse.members.codec import load_or_build_codec
+from tokenfuse.members.embeddings import EmbeddingRows
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TransformersMember(Member):
-    """A transformers ``AutoModelForCausalLM`` with one ``DynamicCache`` per sequence."""
+class TransformersMember(LocalMember):
+    """A transformers ``AutoModelForCausalLM`` with one ``DynamicCache`` per sequence.
+
+    ``context_length`` is the text config's ``max_position_embeddings`` (``None`` when it has none).
+    """
 
     def __init__(self, name: str, model: Any, tokenizer: Any, *, weight: float = 1.0,
                  content_hash: str | None = None, align_cache: Path | None = None) -> None:
@@ -26,13 +30,20 @@ class TransformersMember(Member):
         self.tokenizer = tokenizer
         self.weight = float(weight)
         self.device = next(model.parameters()).device
+        text_config = model.config.get_text_config()
+        n = getattr(text_config, "max_position_embeddings", None)
+        self.context_length = n if isinstance(n, int) and n > 0 else None
         gen = getattr(model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         extra = eos if isinstance(eos, list | tuple) else ([eos] if eos is not None else [])
         self.codec = load_or_build_codec(
-            tokenizer, vocab_size=model.config.get_text_config().vocab_size, extra_end_ids=extra,
+            tokenizer, vocab_size=text_config.vocab_size, extra_end_ids=extra,
             content_hash=content_hash, cache=align_cache,
         )
+
+    def embedding_rows(self) -> EmbeddingRows:
+        """The model's own input-embedding weight (never copied)."""
+        return EmbeddingRows(tensor=self.model.get_input_embeddings().weight)
 
     @torch.inference_mode()
     def _forward(self, st: SeqState) -> torch.Tensor:

@@ -1,2 +1,2 @@
-"""Where members run: in this process (``placement: local``, the default) or in Ray actors
-(``placement: ray``, see ``tokenfuse.placement.ray``)."""
+"""Where members run: in this process (``placement: local``, the default; ``tokenfuse.placement.local``)
+or in Ray actors (``placement: ray``, see ``tokenfuse.placement.ray``)."""

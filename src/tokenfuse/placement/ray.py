@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tokenfuse.errors import ModelNotInstalledError
-from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.base import Member, SeqState, kept_logprobs
 from tokenfuse.members.remote import MemberUnavailableError
 
 
@@ -48,11 +48,11 @@ class MemberActor:
         self.states: dict[int, SeqState] = {}
 
     def info(self) -> dict:
-        from tokenfuse.server.scheduler import context_length
-
+        """What the driver side keeps locally: the member's name, weight, score, codec, tokenizer,
+        context length and load time."""
         m = self.member
-        return {"name": m.name, "weight": m.weight, "codec": m.codec, "tokenizer": m.tokenizer,
-                "context_length": context_length(m), "load_seconds": m.load_seconds}
+        return {"name": m.name, "weight": m.weight, "score": m.score, "codec": m.codec, "tokenizer": m.tokenizer,
+                "context_length": m.context_length, "load_seconds": m.load_seconds}
 
     def _sync(self, updates: list[tuple[int, list[int] | None, int, list[int]]]) -> list[SeqState]:
         """Bring each sequence's ids up to the driver's: keep the first ``n_valid``, append the tail."""
@@ -91,12 +91,16 @@ def _actor_class():
 
 
 class RayMember(Member):
-    """The driver side of a member that runs in a Ray actor (same contract as a local member)."""
+    """The driver side of a member that runs in a Ray actor (same contract as a local member).
+
+    Its weights stay in the actor: ``embedding_rows`` / ``input_embeddings`` (DeePEn) raise.
+    """
 
     def __init__(self, actor: Any, info: dict) -> None:
         self.actor = actor
         self.name = info["name"]
         self.weight = float(info["weight"])
+        self.score = info["score"]
         self.codec = info["codec"]
         self.tokenizer = info["tokenizer"]
         self.context_length = info["context_length"]
@@ -137,11 +141,8 @@ class RayMember(Member):
 
     def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
         if all(st.logprobs is not None and st.logprobs_len == st.length for st in states):
-            return super().token_logprobs(states, ids)
+            return kept_logprobs(states, ids)
         return _tensor(self._call("token_logprobs", [st.cache for st in states], ids.numpy()))
-
-    def _forward(self, state: SeqState) -> torch.Tensor:  # not used: next_* are overridden
-        return self.next_logprobs([state])[0]
 
     def release(self, state: SeqState) -> None:
         if state.cache is not None:
@@ -187,7 +188,7 @@ def place_members(factories: Sequence[Callable[[], Member]], *, num_cpus: Sequen
 
 def load_ray_members(cfg, *, root: Path, progress: bool = True) -> list[RayMember]:
     """The members of ``cfg`` as Ray actors (``placement: ray``); starts Ray if it is not running."""
-    from tokenfuse.load import load_member
+    from tokenfuse.placement.local import load_member
 
     ray = import_ray()
     if not ray.is_initialized():

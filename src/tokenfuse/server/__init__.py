@@ -2,12 +2,14 @@
 
 ``create_app(ensemble, settings=ServerSettings(...))`` builds the FastAPI app (tests run it
 in-process); ``serve(...)`` runs it with uvicorn. Generation is batched at the step level by one
-scheduler thread (``scheduler.py``); see docs/serving.md.
+scheduler thread (``scheduler.py``); the routes are module-level routers (``routes/``) that reach
+the app's ``ServerState`` (``state.py``) through FastAPI dependencies; see docs/serving.md.
 """
 
 from __future__ import annotations
 
-from tokenfuse.server.app import ServerSettings, create_app
+from tokenfuse.server.app import create_app
+from tokenfuse.server.state import ServerSettings
 
 __all__ = ["ServerSettings", "create_app", "serve"]
 

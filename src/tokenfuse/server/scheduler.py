@@ -14,150 +14,19 @@ same ``Ensemble``, and every ensemble with running sequences takes one step per 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import threading
-import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from tokenfuse.config import EnsembleConfig, parse_config
-from tokenfuse.engine.generate import Ensemble, Prompt, Seq, safe_end
+from tokenfuse.engine import Ensemble, Prompt, Sequence
 from tokenfuse.engine.sampling import Sampling
-from tokenfuse.errors import ConfigError, TokenfuseError
+from tokenfuse.errors import TokenfuseError
+from tokenfuse.server.ensembles import EnsemblePool
 
 log = logging.getLogger("tokenfuse.server")
-
-
-# ---------------------------------------------------------------------------- members' context
-
-def context_length(member: Any) -> int | None:
-    """A member's context length in its own tokens (``None``: unknown, not checked)."""
-    m = getattr(member, "member", member)  # a re-weighted view: the member underneath
-    for attr in ("context_length", "_n_ctx"):
-        n = getattr(m, attr, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    model_cfg = getattr(getattr(m, "model", None), "config", None)
-    if model_cfg is not None:
-        text = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
-        n = getattr(text, "max_position_embeddings", None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
-
-
-class Reweighted:
-    """A member seen with another weight: everything else (model, caches, codec) is the member's own,
-    so sequences can move between ensembles that differ only in weights."""
-
-    def __init__(self, member: Any, weight: float) -> None:
-        self.member = member
-        self.weight = float(weight)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.member, name)
-
-
-def _base(member: Any) -> Any:
-    return member.member if isinstance(member, Reweighted) else member
-
-
-# ---------------------------------------------------------------------------- ensembles per option set
-
-def config_of(ens: Ensemble) -> EnsembleConfig:
-    """A config describing an already built ensemble (for servers built on in-memory members)."""
-    params = {k: v for k, v in ens.combiner.describe().items() if k != "method"}
-    names = [m.name for m in ens.members]
-    return parse_config({
-        "members": [{"name": m.name, "weight": m.weight} for m in ens.members],
-        "method": ens.combiner.name, "params": params, "primary": names[ens.primary],
-        "agreement_skip": ens.agreement_skip, "gate": names[ens.gate] if ens.gate is not None else None,
-        "threshold": ens.threshold, "window": ens.window, "parallel": ens.parallel,
-    }, origin="ensemble")
-
-
-OPTION_KEYS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "weights")
-
-
-class EnsemblePool:
-    """``Ensemble`` objects per option set, all on the same loaded members and union.
-
-    The base ensemble serves requests without options. Others are built on first use and kept
-    (least recently used first out, only while no sequence runs on them) up to ``max_size``.
-    """
-
-    def __init__(self, base: Ensemble, cfg: EnsembleConfig | None = None, *, max_size: int = 8) -> None:
-        self.base = base
-        self.cfg = cfg or config_of(base)
-        self.members = list(base.members)
-        self.max_size = max_size
-        self._cache: OrderedDict[str, Ensemble] = OrderedDict()
-        self.in_use: dict[int, int] = {}
-
-    @staticmethod
-    def key(options: dict | None, down: frozenset[str] = frozenset()) -> str:
-        return json.dumps([options or {}, sorted(down)], sort_keys=True)
-
-    def get(self, options: dict | None = None, down: frozenset[str] = frozenset()) -> Ensemble:
-        """The ensemble for per-request ``options`` with the members in ``down`` silenced (weight 0)."""
-        if not options and not down:
-            return self.base
-        key = self.key(options, down)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        ens = self._build(options or {}, down)
-        self._cache[key] = ens
-        for k in list(self._cache):
-            if len(self._cache) <= self.max_size:
-                break
-            if not self.in_use.get(id(self._cache[k])):
-                del self._cache[k]
-        return ens
-
-    def _build(self, options: dict, down: frozenset[str]) -> Ensemble:
-        from tokenfuse.load import ensemble_from_members
-
-        unknown = set(options) - set(OPTION_KEYS)
-        if unknown:
-            raise ConfigError(f"tokenfuse: unknown option(s) {', '.join(sorted(unknown))}; "
-                              f"allowed: {', '.join(OPTION_KEYS)}")
-        data = self.cfg.model_dump()
-        for k in ("method", "gate", "threshold", "primary", "agreement_skip"):
-            if k in options:
-                data[k] = options[k]
-        if "method" in options and options["method"] != self.cfg.method:
-            data["params"] = {}  # another method's parameters do not carry over
-        if options.get("params") is not None:
-            data["params"] = {**data["params"], **options["params"]}
-        names = [m.name for m in self.members]
-        weights = [m.weight for m in self.members]
-        w = options.get("weights")
-        if isinstance(w, dict):
-            bad = [n for n in w if n not in names]
-            if bad:
-                raise ConfigError(f"tokenfuse.weights: {', '.join(map(repr, bad))} not a member "
-                                  f"(members: {', '.join(names)})")
-            weights = [float(w.get(n, x)) for n, x in zip(names, weights)]
-        elif isinstance(w, list):
-            if len(w) != len(names):
-                raise ConfigError(f"tokenfuse.weights: {len(w)} weights for {len(names)} members ({', '.join(names)})")
-            weights = [float(x) for x in w]
-        if any(x < 0 for x in weights):
-            raise ConfigError("tokenfuse.weights: weights must be >= 0")
-        for i, m in enumerate(data["members"]):
-            m["weight"] = weights[i]
-        cfg = parse_config(data, origin="tokenfuse")
-        weights = [0.0 if n in down else x for n, x in zip(names, weights)]
-        if all(x <= 0 for x in weights):
-            raise ConfigError("no member with a positive weight is left"
-                              + (f" (unavailable: {', '.join(sorted(down))})" if down else ""))
-        members = [m if x == m.weight else Reweighted(_base(m), x) for m, x in zip(self.members, weights)]
-        return ensemble_from_members(cfg, members, union=self.base.union)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -189,8 +58,7 @@ class Job:
     truncate: bool = False
     # owned by the scheduler thread
     ens: Ensemble | None = None
-    seq: Seq | None = None
-    emitted: int = 0
+    seq: Sequence | None = None
     skipped: set[str] = field(default_factory=set)
     truncated: int = 0  # prompt characters / messages dropped by left-truncation
     done: bool = False
@@ -240,14 +108,14 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, jobs: Sequence[Job]) -> None:
+    def submit(self, jobs: list[Job]) -> None:
         if self._inbox.qsize() + len(self._pending) + len(jobs) > self.max_queue:
             raise queue.Full
         self.start()
         for j in jobs:
             self._inbox.put(("submit", j))
 
-    def cancel(self, jobs: Sequence[Job]) -> None:
+    def cancel(self, jobs: Iterable[Job]) -> None:
         """Stop these jobs (a client went away); their sequences are closed before the next step."""
         for j in jobs:
             self._inbox.put(("cancel", j))
@@ -328,9 +196,9 @@ class Scheduler:
         self.pool.in_use[id(job.ens)] = self.pool.in_use.get(id(job.ens), 0) + 1
 
     @staticmethod
-    def _overflow(ens: Ensemble, seq: Seq, max_new: int) -> tuple[str, int, int] | None:
+    def _overflow(ens: Ensemble, seq: Sequence, max_new: int) -> tuple[str, int, int] | None:
         for m, st in zip(ens.members, seq.states):
-            ctx = context_length(m)
+            ctx = m.context_length
             if ctx is not None and len(st.prompt_ids) + max_new > ctx:
                 return m.name, len(st.prompt_ids) + max_new, ctx
         return None
@@ -342,7 +210,7 @@ class Scheduler:
         try:
             events = ens.step([j.seq for j in jobs])
         except MemberUnavailableError as err:
-            _quiesce(ens)
+            ens.pool.quiesce()
             if self.on_member_failure == "skip":
                 for j in jobs:  # the step changed no sequence: go on without the member
                     self._move(j, err.member)
@@ -352,7 +220,7 @@ class Scheduler:
             return
         except Exception as err:  # noqa: BLE001 - an engine failure fails its requests, not the server
             log.exception("step failed")
-            _quiesce(ens)
+            ens.pool.quiesce()
             for j in jobs:
                 self._fail(j, err)
             return
@@ -360,11 +228,8 @@ class Scheduler:
         for j, ev in zip(jobs, events):
             s = j.seq
             if ev.finished is None and self._at_context_end(j):
-                s.finished = "length"
-            out = bytes(s.output)
-            end = len(out) if s.finished else safe_end(out, s.stops)
-            text = out[j.emitted:end].decode("utf-8", errors="replace") if end > j.emitted else ""
-            j.emitted = max(j.emitted, end)
+                s.finish("length")
+            text = s.take_text()
             if s.finished:
                 g = ens.result(s)
                 info = {
@@ -386,7 +251,7 @@ class Scheduler:
     def _at_context_end(self, job: Job) -> bool:
         """A member's cache is (nearly) full: end the sequence as ``length`` rather than overflow it."""
         for m, st in zip(job.ens.members, job.seq.states):
-            ctx = context_length(m)
+            ctx = m.context_length
             if ctx is not None and st.length >= ctx - 1:
                 return True
         return False
@@ -418,27 +283,6 @@ class Scheduler:
             self.pool.in_use[id(job.ens)] -= 1
 
 
-def _quiesce(ens: Ensemble, timeout: float = 600.0) -> None:
-    """Wait until none of ``ens``'s member threads is still running a forward pass.
-
-    When one member raises inside a parallel step, the engine returns at once while the other
-    members' forwards may still run in its pool; their sequences must not be closed (caches freed)
-    or stepped again before they finish. One barrier task per pool thread can only all run once
-    every earlier task is done.
-    """
-    pool = getattr(ens, "_pool", None)
-    n = getattr(pool, "_max_workers", 0)
-    if pool is None or not n:
-        return
-    barrier = threading.Barrier(n + 1)
-    for _ in range(n):
-        pool.submit(barrier.wait, timeout)
-    try:
-        barrier.wait(timeout)
-    except threading.BrokenBarrierError:
-        log.warning("member threads did not finish within %.0f s", timeout)
-
-
 def _truncate(prompt: Prompt, chat: bool, *, fraction: float) -> Prompt:
     """Drop the start of a prompt, keeping about ``fraction`` of it: the oldest characters of a text
     prompt, or the oldest non-system messages of a conversation (the last message stays)."""
@@ -464,6 +308,3 @@ def make_poster(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[
 
     return post
 
-
-def now() -> int:
-    return int(time.time())

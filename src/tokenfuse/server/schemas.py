@@ -73,6 +73,10 @@ class _Common(BaseModel):
             raise ValueError("at most 16 stop strings")
         return [s for s in stops if s]
 
+    def requested_max_tokens(self) -> int | None:
+        """The request's token limit (``None``: the config's default)."""
+        return self.max_tokens
+
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to a value this server cannot honour."""
         out = []
@@ -138,6 +142,10 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's newer name) when given, else ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()

@@ -21,7 +21,8 @@ from the directory given as ``data_dir`` (``--data``), else ``$TOKENFUSE_DATA``.
 | triviaqa, nq_open | ``qa`` | 5 | normalised exact match, any alias |
 | bbh | ``bbh`` | the official 3 CoT exemplars | exact match after "the answer is" |
 
-Each module's docstring gives its exact templates; ``base`` documents how prompts are assembled.
+Each module's docstring gives its exact templates; ``base`` documents how prompts are assembled;
+``run`` holds the prompt-form rule and "generate a batch, then grade" (``generate_graded``).
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from tokenfuse.tasks.gsm8k import GSM8K
 from tokenfuse.tasks.mmlu import MMLU
 from tokenfuse.tasks.piqa import PIQA
 from tokenfuse.tasks.qa import NQOpen, TriviaQA
+from tokenfuse.tasks.run import PROMPT_FORMS, Graded, generate_graded, prompt_form, uses_chat
 
 TASKS: dict[str, type[Task]] = {
     t.name: t for t in (GSM8K, MMLU, ARCChallenge, ARCEasy, PIQA, BoolQ, TriviaQA, NQOpen, BBH)
 }
-MULTIPLE_CHOICE = tuple(n for n, t in TASKS.items() if t.multiple_choice)
 
 
 def load_task(name: str, data_dir: str | os.PathLike | None = None, *, num_fewshot: int | None = None,
@@ -58,5 +59,5 @@ def load_task(name: str, data_dir: str | os.PathLike | None = None, *, num_fewsh
     return TASKS[name](data_dir, num_fewshot=num_fewshot, fewshot_seed=fewshot_seed)
 
 
-__all__ = ["TASKS", "MULTIPLE_CHOICE", "DATA_ENV", "DEFAULT_SEED", "ClozeItem", "Item", "Score", "Task",
-           "TaskDataError", "load_task", "resolve_data_dir", "subset"]
+__all__ = ["TASKS", "DATA_ENV", "DEFAULT_SEED", "PROMPT_FORMS", "ClozeItem", "Graded", "Item", "Score", "Task",
+           "TaskDataError", "generate_graded", "load_task", "prompt_form", "resolve_data_dir", "subset", "uses_chat"]

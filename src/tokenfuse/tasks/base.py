@@ -192,7 +192,7 @@ class Task:
         ensemble of members with and without chat templates, both (``chat="mixed"``: a
         ``TwoFormPrompt``; each member gets the form it would get alone)."""
         if chat == MIXED:
-            from tokenfuse.engine.generate import TwoFormPrompt
+            from tokenfuse.engine import TwoFormPrompt
 
             return TwoFormPrompt(self.chat_messages(item), self.raw_prompt(item))
         return self.chat_messages(item) if chat else self.raw_prompt(item)

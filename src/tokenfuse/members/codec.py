@@ -17,16 +17,24 @@ Encoding goes the other way without the traps of plain ``tokenizer.encode``: spe
 strings inside generated text are split as text, no BOS/EOS is added, no dummy ``▁`` prefix is
 added (the tokenizer is rebuilt with its prefix option switched off), and bytes that are not
 (yet) valid UTF-8 are fed as single-byte tokens.
+
+A member's tables are cached on disk (``load_or_build_codec``), keyed by the tokenizer's content,
+its chat template, END ids and vocabulary size.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import zipfile
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tokenfuse.errors import AlignmentError
 
@@ -310,6 +318,84 @@ def codec_key(
         str(vocab_size),
     ]
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
+
+
+# ---------------------------------------------------------------------------------------- on-disk cache
+# What reading a damaged cache file can raise (truncated or empty .npz: BadZipFile, EOFError).
+DAMAGED = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
+
+
+def pack_bytes(items: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((-1 if b is None else len(b) for b in items), dtype=np.int64, count=len(items))
+    data = np.frombuffer(b"".join(b for b in items if b), dtype=np.uint8)
+    return data, lengths
+
+
+def unpack_bytes(data: np.ndarray, lengths: np.ndarray) -> list[bytes | None]:
+    raw = data.tobytes()
+    ends = np.cumsum(np.maximum(lengths, 0)).tolist()
+    out: list[bytes | None] = []
+    start = 0
+    for n, end in zip(lengths.tolist(), ends):
+        out.append(None if n < 0 else raw[start:end])
+        start = end
+    return out
+
+
+def save_codec(path: Path, codec: ByteCodec) -> None:
+    """Write a member's byte tables (not its encoder) to ``path``."""
+    t = codec.tables()
+    data, lengths = pack_bytes(t["token_bytes"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
+    np.savez(
+        tmp,
+        data=data,
+        lengths=lengths,
+        byte_ids=np.array([-1 if i is None else i for i in t["byte_ids"]], dtype=np.int64),
+        end_ids=np.array(sorted(t["end_ids"]), dtype=np.int64),
+        special_ids=np.array(sorted(t["special_ids"]), dtype=np.int64),
+        meta=np.array([t["kind"], str(t["vocab_size"]), t["fingerprint"]]),
+    )
+    os.replace(tmp, path)
+
+
+def load_codec_tables(path: Path) -> dict:
+    """Read tables written by ``save_codec`` (pass them as ``ByteCodec(..., tables=...)``)."""
+    with np.load(path) as z:
+        kind, size, fp = z["meta"].tolist()
+        return {
+            "token_bytes": unpack_bytes(z["data"], z["lengths"]),
+            "byte_ids": [None if i < 0 else int(i) for i in z["byte_ids"].tolist()],
+            "end_ids": frozenset(z["end_ids"].tolist()),
+            "special_ids": frozenset(z["special_ids"].tolist()),
+            "kind": kind,
+            "vocab_size": int(size),
+            "fingerprint": fp,
+        }
+
+
+def load_or_build_codec(tokenizer, *, vocab_size: int | None, extra_end_ids=(), extra_special_ids=(),
+                        content_hash: str | None = None, cache: Path | None = None) -> ByteCodec:
+    """A member's ``ByteCodec``, from the on-disk cache (``cache/codec-<key>.npz``) when its key matches."""
+    if cache is None:
+        return ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
+                         extra_special_ids=extra_special_ids, content_hash=content_hash)
+    key = codec_key(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
+                    extra_special_ids=extra_special_ids, content_hash=content_hash)
+    path = cache / f"codec-{key}.npz"
+    if path.exists():
+        try:
+            codec = ByteCodec(tokenizer, tables=load_codec_tables(path))
+            codec.cache_path = path
+            return codec
+        except DAMAGED:
+            pass  # a damaged cache file is rebuilt below
+    codec = ByteCodec(tokenizer, vocab_size=vocab_size, extra_end_ids=extra_end_ids,
+                      extra_special_ids=extra_special_ids, content_hash=content_hash)
+    save_codec(path, codec)
+    codec.cache_path = path
+    return codec
 
 
 def _piece_decoder(kind: str, byte_fallback: bool):

@@ -6,7 +6,7 @@ relative representation matrix, ``r_i = p_i · R̂_i`` (§3.2, Eq. 2, 4); the re
 gradient steps on the main member's logits ``z`` minimising ``KL(r̄ ‖ softmax(z) · R̂_main)``
 (§3.4, Eq. 6–7). The main member then picks (argmax or sampling) from the updated ``z``.
 
-Relative representation (``tokenfuse.alignment.relative_rows``)
+Relative representation (``tokenfuse.combiners.deepen.rows``)
     Anchors are the union entries every member has as one single token with exactly those bytes
     (``anchors``), so newline, byte-level Unicode and SentencePiece tokens match across families
     (the reference code matches raw token strings and misses all of them). Columns are ordered by
@@ -74,7 +74,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenfuse.alignment.relative_rows import EmbeddingRows, RelativeRows
+from tokenfuse.combiners.deepen.rows import EmbeddingRows, RelativeRows
 from tokenfuse.alignment.union import END, UnionVocab
 
 DEFAULT_TEMPERATURE = 100.0
@@ -124,16 +124,6 @@ def anchors(union: UnionVocab) -> tuple[np.ndarray, list[np.ndarray]]:
     ok[END] = False
     idx = np.nonzero(ok)[0].astype(np.int64)
     return idx, [np.ascontiguousarray(inverse[i, idx]) for i in range(len(union.inverse))]
-
-
-def embeddings(member: Any) -> torch.Tensor:
-    """A member's input embeddings, ``float32[V_i, d]`` (its logit rows).
-
-    Transformers members: the model's own embedding weight (no copy when it is float32).
-    llama.cpp members: ``token_embd.weight`` read from the GGUF and dequantised in row chunks
-    (the rows llama.cpp produces logits for, ``member.n_vocab``).
-    """
-    return EmbeddingRows.of(member).all()
 
 
 # ---------------------------------------------------------------------------------------- weights
@@ -235,8 +225,8 @@ class DeePEn:
     """DeePEn over tokenfuse members: aggregate in the relative space, invert into the main member.
 
     Args:
-        members: the ensemble's members (``.name``, ``.codec``; embeddings from ``.model`` or the
-            GGUF at ``.path``), in the union's order.
+        members: the ensemble's members (``.name``; embeddings from ``.embedding_rows()``), in the
+            union's order.
         union: their ``UnionVocab``.
         main: index of the main member (the one whose vocabulary the choice is made in).
         temperature: ``T`` of ``R̂`` (reference code: 100; see module docstring).
@@ -284,10 +274,10 @@ class DeePEn:
         embeddings = embeddings or {}
         self.matrices: list[RelativeRows] = []
         for i, m in enumerate(self.members):
-            src = (EmbeddingRows(tensor=embeddings[i]) if i in embeddings else EmbeddingRows.of(m))
+            src = EmbeddingRows(tensor=embeddings[i]) if i in embeddings else m.embedding_rows()
             self.matrices.append(RelativeRows(src, anchor_ids[i], temperature=self.temperature, capacity=capacity,
                                               cache_dir=cache, row_dtype=row_dtype, compute_dtype=compute_dtype,
-                                              label=getattr(m, "name", str(i))))
+                                              label=m.name))
         self.threads = threads
         # ids the union drops (not text, not END): excluded from every distribution
         self._text = [torch.from_numpy(np.asarray(mp) >= 0) for mp in union.maps]

@@ -1,7 +1,7 @@
 """DeePEn — distribution ensembling in a relative space (Huang et al. 2024, arXiv 2404.12715).
 
 The method itself (anchors, relative representations, aggregation, inverse transformation, its
-deviations from the paper) lives in ``tokenfuse.alignment.relative``; this is the engine adapter:
+deviations from the paper) lives in ``tokenfuse.combiners.deepen.relative``; this is the engine adapter:
 
 - the *main* member (parameter ``main``, default the ensemble's primary member) is the one whose
   vocabulary the choice is made in; the fused main log-probabilities become a distribution over the
@@ -23,49 +23,66 @@ member), ``accuracies``, ``n_choices``, ``adapt``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from tokenfuse.combiners.base import Combiner, Dist, StepView, register
+from tokenfuse.combiners.base import Combiner, Dist, Setup, StepView, register
+from tokenfuse.combiners.deepen.relative import (DEFAULT_CAPACITY, DEFAULT_LR, DEFAULT_MASS, DEFAULT_MAX_ROWS,
+                                                 DEFAULT_STEPS, DEFAULT_TEMPERATURE, DeePEn, adapt_weights)
 from tokenfuse.errors import ConfigError
 
 _OPTIONS = ("temperature", "steps", "lr", "update", "mass", "max_rows", "capacity")
 
 
+class DeePEnParams(BaseModel):
+    """DeePEn's parameters (see the module docstring); the relative-space ones go to ``DeePEn``."""
+
+    model_config = ConfigDict(extra="forbid")
+    main: str | None = None
+    accuracies: dict[str, float] | None = None
+    n_choices: int | None = Field(None, ge=2)
+    adapt: bool = False
+    temperature: float = Field(DEFAULT_TEMPERATURE, gt=0)
+    steps: int = Field(DEFAULT_STEPS, ge=0)
+    lr: float = Field(DEFAULT_LR, gt=0)
+    update: Literal["adam", "gd"] = "adam"
+    mass: float = Field(DEFAULT_MASS, gt=0, le=1)
+    max_rows: int = Field(DEFAULT_MAX_ROWS, ge=1)
+    capacity: int = Field(DEFAULT_CAPACITY, ge=1)
+
+
 @register
 class DeePEnCombiner(Combiner):
     name = "deepen"
+    Params = DeePEnParams
     needs = "full"
     exact_agreement = False
 
-    def __init__(self, main: str | None = None, accuracies: dict[str, float] | None = None,
-                 n_choices: int | None = None, adapt: bool = False, **options: Any) -> None:
-        unknown = set(options) - set(_OPTIONS)
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; known: main, accuracies, "
-                            f"n_choices, adapt, {', '.join(_OPTIONS)}")
-        self.main_name = main
-        self.accuracies = accuracies
-        self.n_choices = n_choices
-        self.adapt = adapt
-        self.options = options
+    def __init__(self, params: DeePEnParams | None = None) -> None:
+        super().__init__(params)
+        self.main_name = self.params.main
+        self.accuracies = self.params.accuracies
+        self.n_choices = self.params.n_choices
+        self.adapt = self.params.adapt
+        self.options = {k: v for k, v in self.params.model_dump(exclude_unset=True).items() if k in _OPTIONS}
         self.method = None
 
     def describe(self) -> dict:
         return {"method": self.name, "main": self.main_name, **self.options}
 
-    def bind(self, ens) -> None:
-        from tokenfuse.alignment.relative import DeePEn, adapt_weights
-
-        names = [m.name for m in ens.members]
+    def bind(self, setup: Setup) -> None:
+        super().bind(setup)
+        space, members = setup.space, setup.members
+        names = list(space.names)
         if self.main_name is not None and self.main_name not in names:
             raise ConfigError(f"params.main: {self.main_name!r} is not a member (members: {', '.join(names)})")
-        self.main = names.index(self.main_name) if self.main_name is not None else ens.primary
-        if ens.members[self.main].weight <= 0:
+        self.main = names.index(self.main_name) if self.main_name is not None else setup.primary
+        if members[self.main].weight <= 0:
             raise ConfigError(f"params.main: the main member {names[self.main]!r} needs weight > 0")
         if self.adapt and self.accuracies is None:
-            self.accuracies = {m.name: getattr(m, "score", None) for m in ens.members}
+            self.accuracies = {m.name: m.score for m in members}
             missing = [k for k, v in self.accuracies.items() if v is None]
             if missing:
                 raise ConfigError(f"params.adapt: members without a `score` (dev accuracy): {', '.join(missing)}")
@@ -78,13 +95,12 @@ class DeePEnCombiner(Combiner):
                 self.alpha = adapt_weights(self.accuracies, self.n_choices)
             except ValueError as err:
                 raise ConfigError(f"params.accuracies: {err}") from None
-        self.ens = ens
         try:
-            self.method = DeePEn(ens.members, ens.union, main=self.main, cache_dir=ens.align_cache, **self.options)
+            self.method = DeePEn(members, space.union, main=self.main, cache_dir=setup.cache_dir, **self.options)
         except ValueError as err:
             raise ConfigError(f"params: deepen: {err}") from None
-        maps = torch.from_numpy(ens.union.maps[self.main])
-        rep = torch.from_numpy(ens.union.representable)
+        maps = torch.from_numpy(space.union.maps[self.main])
+        rep = torch.from_numpy(space.union.representable)
         self.valid = (maps >= 0) & rep[maps.clamp_min(0)]
         self.index = maps.clamp_min(0)
 
@@ -93,7 +109,7 @@ class DeePEnCombiner(Combiner):
         return self.method.prepare(progress=progress)
 
     def _weights(self, view: StepView) -> dict[int, float]:
-        names = [m.name for m in view.ens.members]
+        names = view.space.names
         if self.alpha is not None:
             return {i: self.alpha[names[i]] for i in view.members}
         return dict(zip(view.members, view.weights))
@@ -116,6 +132,6 @@ class DeePEnCombiner(Combiner):
         p = self._probs(self._fused(view))
         out = torch.zeros(len(entries), dtype=torch.float64)
         for r, e in enumerate(entries):
-            ids = [t for t in view.ens.aligner.query_ids(self.main, e) if t < p.shape[-1]]
+            ids = [t for t in view.space.aligner.query_ids(self.main, e) if t < p.shape[-1]]
             out[r] = float(p[r, ids].sum()) if ids else 0.0
         return out

@@ -1,0 +1,111 @@
+"""The member pool: forward several members on the same sequences, in threads or one by one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenfuse.members.base import Member, SeqState
+
+log = logging.getLogger("tokenfuse.engine")
+
+
+@dataclass(frozen=True)
+class MemberOutput:
+    """One member's next-token output for ``R`` rows: its full log-probabilities ``float32[R, V]``
+    (``logprobs``), or only its top-k ``(logprobs float32[R, k], ids int64[R, k])`` (``topk``, most
+    likely first) when the combiner asks for no more."""
+
+    logprobs: torch.Tensor | None = None
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, pick: torch.Tensor | None) -> MemberOutput:
+        """The output restricted to rows ``pick`` (all rows for ``None``)."""
+        if pick is None:
+            return self
+        if self.logprobs is not None:
+            return MemberOutput(logprobs=self.logprobs[pick])
+        return MemberOutput(topk=(self.topk[0][pick], self.topk[1][pick]))
+
+    def top_logprob(self) -> torch.Tensor:
+        """Each row's highest log-probability ``float32[R]``."""
+        if self.logprobs is not None:
+            return self.logprobs.max(dim=-1).values
+        return self.topk[0][:, 0]
+
+    def top_text(self, umap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's most likely *text* id (``umap``: the member's id -> union map, ``-1`` = not
+        text) and its log-probability. (numpy: its 1-D argmax is ~20x faster than torch's here.)
+        With top-k output a row whose top-k holds no text id gives its first id (not text)."""
+        if self.logprobs is not None:
+            arr = self.logprobs.numpy()
+            ids = arr.argmax(axis=-1)
+            for r, tid in enumerate(ids):
+                if umap[tid] < 0:  # a special token on top: look at text ids only
+                    ids[r] = np.where(umap[: arr.shape[-1]] >= 0, arr[r], -np.inf).argmax()
+            return ids, arr[np.arange(len(ids)), ids]
+        tlp, tids = self.topk[0].numpy(), self.topk[1].numpy()
+        col = (umap[tids] >= 0).argmax(axis=-1)
+        rows = np.arange(len(col))
+        return tids[rows, col], tlp[rows, col]
+
+
+class MemberPool:
+    """Runs members' forward passes for a list of sequences.
+
+    With ``parallel`` each member runs in its own thread (llama.cpp and PyTorch release the GIL, so
+    members overlap); otherwise one after another. ``forward`` returns only when every member it
+    started has finished, even if one raised, so no member is still touching a sequence's state.
+    ``quiesce`` waits for any forward still running (e.g. one abandoned by a caller's exception).
+    """
+
+    def __init__(self, members: Sequence[Member], *, parallel: bool = True) -> None:
+        self.members = list(members)
+        self.parallel = parallel
+        self.workers = len(self.members) if parallel else 0
+        self._threads = (ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="member")
+                         if parallel else None)
+
+    def forward(self, which: Sequence[int], states: Sequence[Sequence[SeqState]], *,
+                topk: int = 0) -> dict[int, MemberOutput]:
+        """Members ``which`` on their states (``states[i]``: member ``i``'s state of every row):
+        their full log-probabilities, or with ``topk > 0`` their top-k."""
+        if not which:
+            return {}
+        if self._threads is None or len(which) == 1:
+            return {i: self._one(i, states[i], topk) for i in which}
+        futures = {i: self._threads.submit(self._one, i, states[i], topk) for i in which}
+        wait(futures.values())  # all finished (even when one raises) before anyone touches the states
+        return {i: f.result() for i, f in futures.items()}
+
+    def _one(self, i: int, states: Sequence[SeqState], topk: int) -> MemberOutput:
+        if topk > 0:
+            return MemberOutput(topk=self.members[i].next_topk(states, topk))
+        return MemberOutput(logprobs=self.members[i].next_logprobs(states))
+
+    def quiesce(self, timeout: float = 600.0) -> bool:
+        """Wait until no member thread is running a forward pass; ``False`` if ``timeout`` passed first.
+
+        One barrier task per thread can only all run once every earlier task is done.
+        """
+        if self._threads is None:
+            return True
+        barrier = threading.Barrier(self.workers + 1)
+        for _ in range(self.workers):
+            self._threads.submit(barrier.wait, timeout)
+        try:
+            barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            log.warning("member threads did not finish within %.0f s", timeout)
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)

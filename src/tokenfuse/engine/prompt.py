@@ -1,0 +1,42 @@
+"""Prompts: plain text, chat messages, or both forms at once; each member encodes them its own way."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenfuse.members.base import Member
+
+
+@dataclass(frozen=True)
+class TwoFormPrompt:
+    """One prompt in two forms: ``messages`` for members with a chat template (each renders them
+    with its own template) and ``raw`` text for members without one (base models), instead of
+    the plain ``"User: …\n\nAssistant:"`` rendering those would otherwise get."""
+
+    messages: Sequence[dict]
+    raw: str
+
+
+Prompt = str | Sequence[dict] | TwoFormPrompt
+
+
+def prompt_ids(member: Member, prompt: Prompt, *, chat: bool = False) -> list[int]:
+    """``member``'s ids for ``prompt``: text as is (or, with ``chat``, as one user message), messages
+    through the member's own chat template (a member without one gets a ``TwoFormPrompt``'s raw form,
+    else the plain rendering)."""
+    messages = [{"role": "user", "content": prompt}] if (chat and isinstance(prompt, str)) else prompt
+    if isinstance(messages, str):
+        return member.encode_prompt(messages)
+    two = isinstance(messages, TwoFormPrompt)
+    text, templated = member.render_chat(messages.messages if two else messages)
+    if two and not templated:
+        text = messages.raw
+    return member.encode_prompt(text, templated=templated)
+
+
+def is_single(prompts) -> bool:
+    """One prompt (text, a two-form prompt or one conversation) rather than a batch of them."""
+    if isinstance(prompts, (str, TwoFormPrompt)):
+        return True
+    return bool(prompts) and isinstance(prompts[0], dict)

@@ -1,0 +1,207 @@
+"""One running sequence: its members' states, its output bytes, its stops and how it finished.
+
+The output is the one truth: a step appends a chosen piece of bytes (``apply``), checks END, the
+stop strings and the length limit, and re-synchronises every member's ids on the new output.
+``take_text`` is the one place output becomes text for a reader: never a split UTF-8 character,
+never part of a stop string that may still complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenfuse.alignment.space import VocabSpace
+from tokenfuse.alignment.union import END
+from tokenfuse.engine.decision import Decision
+from tokenfuse.engine.sampling import Sampling
+from tokenfuse.engine.sync import append_token, in_step, incomplete_tail, resync
+from tokenfuse.members.base import SeqState
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step did to one sequence: ``piece`` was appended (empty for END)."""
+
+    index: int
+    piece: bytes
+    ensembled: bool
+    finished: str | None  # None while running, else "end" | "stop" | "length"
+    skipped: bool = False  # the computed members agreed: no alignment / combination was needed
+    gated: bool = False  # thresholded mode: the gate member alone decided
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result for one prompt.
+
+    Attributes:
+        text: the output decoded as UTF-8 (invalid bytes, if a model produced any, replaced).
+        output: the exact output bytes.
+        steps: chosen pieces (END not counted).
+        ensembled_steps: steps where more than one member was computed (not the gate alone).
+        skipped_steps: ensembled steps decided by agreement skip (every computed member's most
+            likely piece was the same).
+        finish_reason: ``end`` (END chosen), ``stop`` (a stop string, trimmed) or ``length``.
+        member_ids: each member's output ids at the end (they decode to ``output``).
+        timings: seconds per stage for the whole call (shared by a batch).
+    """
+
+    text: str
+    output: bytes
+    steps: int
+    ensembled_steps: int
+    finish_reason: str
+    member_ids: dict[str, list[int]]
+    timings: dict[str, float] = field(default_factory=dict)
+    skipped_steps: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence (``Ensemble.open``): every member's state, the options and the output so far.
+
+    Attributes:
+        index: the caller's index for it (echoed in ``StepEvent.index``).
+        states: per member (ensemble order) its ``SeqState``.
+        space: the ensemble's vocabulary space (pieces, codecs, member ids).
+        window: re-sync look-behind, in member tokens.
+        sampling, stops, max_new_tokens: its decoding options (stops as UTF-8 bytes).
+        generator: its own seeded random generator (``None`` for greedy decoding).
+        output: the output bytes so far; ``steps`` chosen pieces, ``ensembled``/``skipped`` of them
+            ensembled / decided by agreement skip.
+        finished: ``None`` while running, else ``end``, ``stop``, ``length`` or ``cancelled``.
+    """
+
+    index: int
+    states: list[SeqState]
+    space: VocabSpace
+    window: int
+    sampling: Sampling
+    stops: list[bytes]
+    max_new_tokens: int
+    generator: torch.Generator | None
+    output: bytearray = field(default_factory=bytearray)
+    steps: int = 0
+    ensembled: int = 0
+    skipped: int = 0
+    finished: str | None = None
+    _emitted: int = 0
+
+    # ------------------------------------------------------------------ a step
+    def apply(self, d: Decision) -> StepEvent:
+        """Append ``d``'s piece (or finish on END), check stops and the limit, re-sync the members."""
+        before = len(self.output)
+        piece = self.space.piece(d.entry) if d.entry != END else b""
+        if d.entry == END:
+            self.finished = "end"
+        else:
+            self.output += piece
+            self.steps += 1
+            self.ensembled += d.ensembled  # like ``steps``, END is not counted
+            self.skipped += d.skipped
+            if (cut := find_stop(self.output, self.stops, before)) is not None:
+                del self.output[cut:]
+                self.finished = "stop"
+            elif self.steps >= self.max_new_tokens:
+                self.finished = "length"
+        if self.finished in (None, "length"):
+            self._resync(d.entry, before)
+        elif self.finished == "stop":
+            self._resync_trimmed()
+        out_piece = piece if self.finished != "stop" else bytes(self.output[before:])
+        return StepEvent(self.index, out_piece, d.ensembled, self.finished, d.skipped, d.gated)
+
+    def force(self, entry: int) -> None:
+        """Append a *given* piece (teacher forcing) and re-sync; no stop or limit applies."""
+        before = len(self.output)
+        self.output += self.space.piece(entry)
+        self.steps += 1
+        self._resync(entry, before)
+
+    def finish(self, reason: str) -> None:
+        """End the sequence now (e.g. ``length`` when a member's context is full)."""
+        if self.finished is None:
+            self.finished = reason
+
+    # ------------------------------------------------------------------ text out
+    def take_text(self) -> str:
+        """The output text that became final since the last call ("" if none): everything once the
+        sequence has finished, else up to the last complete character that no stop string may still
+        claim."""
+        out = bytes(self.output)
+        end = len(out) if self.finished else safe_end(out, self.stops)
+        if end <= self._emitted:
+            return ""
+        text = out[self._emitted:end].decode("utf-8", errors="replace")
+        self._emitted = end
+        return text
+
+    def result(self, timings: dict[str, float] | None = None) -> Generation:
+        out = bytes(self.output)
+        return Generation(
+            text=out.decode("utf-8", errors="replace"),
+            output=out,
+            steps=self.steps,
+            ensembled_steps=self.ensembled,
+            finish_reason=self.finished or "length",
+            member_ids={name: list(st.ids) for name, st in zip(self.space.names, self.states)},
+            timings=timings or {},
+            skipped_steps=self.skipped,
+        )
+
+    # ------------------------------------------------------------------ members
+    def _resync(self, entry: int, before: int) -> None:
+        out = bytes(self.output)
+        n = len(out) - before
+        for i, (codec, st) in enumerate(zip(self.space.codecs, self.states)):
+            tid = self.space.member_id(i, entry)
+            if tid >= 0 and in_step(st, before):
+                append_token(st, tid, n)  # the member has this exact piece as one token
+            else:
+                resync(codec, st, out, window=self.window)
+
+    def _resync_trimmed(self) -> None:
+        """After a stop string was cut off (possibly reaching into earlier pieces), make every
+        member's ids decode to the trimmed output again, so ``member_ids`` keeps its contract."""
+        out = bytes(self.output)
+        for codec, st in zip(self.space.codecs, self.states):
+            rollback(st, len(out))
+            resync(codec, st, out, window=self.window)
+
+
+def find_stop(output: bytearray, stops: list[bytes], before: int) -> int | None:
+    """Start of the earliest stop string that the last piece completed, or ``None``."""
+    best = None
+    for st in stops:
+        pos = output.find(st, max(0, before - len(st) + 1))
+        if pos >= 0 and (best is None or pos < best):
+            best = pos
+    return best
+
+
+def rollback(st: SeqState, n: int) -> None:
+    """Drop a member's ids that reach past output byte ``n`` (the output was trimmed to ``n``)."""
+    ends = st.starts[1:] + [st.covered]
+    keep = sum(1 for e in ends[: len(st.ids)] if e <= n)  # token ends never decrease
+    if keep == len(st.ids) and st.covered <= n:
+        return
+    st.ids = st.ids[:keep]
+    st.starts = st.starts[:keep]
+    st.covered = ends[keep - 1] if keep else 0
+    st.provisional = False
+    st.n_valid = min(st.n_valid, len(st.prompt_ids) + keep)
+    st.logprobs = None
+
+
+def safe_end(out: bytes, stops: list[bytes]) -> int:
+    """How much of ``out`` can be shown now: no unfinished character, no partial stop string."""
+    end = len(out)
+    for st in stops:
+        for n in range(min(len(st) - 1, len(out)), 0, -1):
+            if out.endswith(st[:n]):
+                end = min(end, len(out) - n)
+                break
+    end -= incomplete_tail(out[:end])
+    return end

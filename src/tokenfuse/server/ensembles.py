@@ -1,0 +1,92 @@
+"""The server's ensembles: one ``Ensemble`` per set of per-request options, all sharing the loaded
+members and the union vocabulary (``EnsemblePool``); members seen with another weight (``Reweighted``)."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+from tokenfuse.config import EnsembleConfig, parse_config
+from tokenfuse.engine import Ensemble
+from tokenfuse.errors import ConfigError
+
+
+# ---------------------------------------------------------------------------- members
+
+class Reweighted:
+    """A member seen with another weight: everything else (model, caches, codec) is the member's own,
+    so sequences can move between ensembles that differ only in weights."""
+
+    def __init__(self, member: Any, weight: float) -> None:
+        self.member = member
+        self.weight = float(weight)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.member, name)
+
+
+def _base(member: Any) -> Any:
+    return member.member if isinstance(member, Reweighted) else member
+
+
+# ---------------------------------------------------------------------------- ensembles per option set
+
+def config_of(ens: Ensemble) -> EnsembleConfig:
+    """A config describing an already built ensemble (for servers built on in-memory members)."""
+    params = {k: v for k, v in ens.combiner.describe().items() if k != "method"}
+    names = [m.name for m in ens.members]
+    return parse_config({
+        "members": [{"name": m.name, "weight": m.weight} for m in ens.members],
+        "method": ens.combiner.name, "params": params, "primary": names[ens.primary],
+        "agreement_skip": ens.agreement_skip, "gate": names[ens.gate] if ens.gate is not None else None,
+        "threshold": ens.threshold, "window": ens.window, "parallel": ens.parallel,
+    }, origin="ensemble")
+
+
+class EnsemblePool:
+    """``Ensemble`` objects per option set, all on the same loaded members and union.
+
+    The base ensemble serves requests without options. Others are built on first use and kept
+    (least recently used first out, only while no sequence runs on them) up to ``max_size``.
+    """
+
+    def __init__(self, base: Ensemble, cfg: EnsembleConfig | None = None, *, max_size: int = 8) -> None:
+        self.base = base
+        self.cfg = cfg or config_of(base)
+        self.members = list(base.members)
+        self.max_size = max_size
+        self._cache: OrderedDict[str, Ensemble] = OrderedDict()
+        self.in_use: dict[int, int] = {}
+
+    @staticmethod
+    def key(options: dict | None, down: frozenset[str] = frozenset()) -> str:
+        return json.dumps([options or {}, sorted(down)], sort_keys=True)
+
+    def get(self, options: dict | None = None, down: frozenset[str] = frozenset()) -> Ensemble:
+        """The ensemble for per-request ``options`` with the members in ``down`` silenced (weight 0)."""
+        if not options and not down:
+            return self.base
+        key = self.key(options, down)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        ens = self._build(options or {}, down)
+        self._cache[key] = ens
+        for k in list(self._cache):
+            if len(self._cache) <= self.max_size:
+                break
+            if not self.in_use.get(id(self._cache[k])):
+                del self._cache[k]
+        return ens
+
+    def _build(self, options: dict, down: frozenset[str]) -> Ensemble:
+        from tokenfuse.load import ensemble_from_members
+
+        cfg = self.cfg.with_overrides(**options, origin="tokenfuse")  # the one override rule (config.py)
+        weights = [0.0 if mc.name in down else mc.weight for mc in cfg.members]
+        if all(x <= 0 for x in weights):
+            raise ConfigError("no member with a positive weight is left"
+                              + (f" (unavailable: {', '.join(sorted(down))})" if down else ""))
+        members = [m if x == m.weight else Reweighted(_base(m), x) for m, x in zip(self.members, weights)]
+        return ensemble_from_members(cfg, members, union=self.base.union)

@@ -1,0 +1,65 @@
+"""The package's shape: the layers contract in pyproject.toml holds, and no module imports itself
+back through others (a module-level import graph without cycles)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+grimp = pytest.importorskip("grimp")
+importlinter_cli = pytest.importorskip("importlinter.cli")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_layers_contract_holds(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert importlinter_cli.lint_imports(config_filename=str(ROOT / "pyproject.toml")) == 0
+
+
+def _cycles(graph) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.find_modules_directly_imported_by(w)))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles():
+    graph = grimp.build_graph("tokenfuse", cache_dir=None)
+    assert _cycles(graph) == []
