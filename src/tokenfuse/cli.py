@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version")
     sub = parser.add_subparsers(dest="command")
 
-    g = sub.add_parser("generate", help="generate text with an ensemble (or one model)")
+    g = sub.add_parser(
+        "generate", help="generate text with an ensemble (or one model)",
+        epilog="A raw prompt is continued as text: base models run on until --max-new-tokens unless a stop "
+               "string ends them, e.g. --stop Question: after a 'Question: ... Answer:' prompt, or --chat to "
+               "use each member's chat template (which ends at its end-of-turn token).")
     g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     _ensemble_args(g)
     _decoding_args(g)
