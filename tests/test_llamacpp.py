@@ -226,3 +226,28 @@ def test_input_embeddings_are_the_gguf_table(llamacpp_members):
     rows = m.embedding_rows()
     ids = [0, 17, m.n_vocab - 1]
     assert (rows.n_rows, rows.dim) == (m.n_vocab, 576) and torch.equal(rows.take(ids), e[ids])
+
+
+@pytest.mark.real
+def test_llama_cpp_log_lines_go_through_logging_not_stderr(llamacpp_members, capfd, caplog):
+    """Gemma-3's context creation notice ("using full-size SWA cache") reaches the logger
+    ``tokenfuse.llama_cpp`` at DEBUG and nothing is written to stderr by default."""
+    import logging
+
+    from tokenfuse.members.llamacpp import LlamaCppMember
+
+    base = llamacpp_members["gemma3"]
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="tokenfuse.llama_cpp"):
+        m = LlamaCppMember("gemma3-logs", base.path, base.tokenizer)
+        st = m.new_state(m.encode_prompt("Hi"))
+        m.next_logprobs([st])
+        m.release(st)
+    swa = [r for r in caplog.records if r.name == "tokenfuse.llama_cpp" and "SWA cache" in r.getMessage()]
+    assert swa and all(r.levelno == logging.DEBUG for r in swa)
+    caplog.clear()
+    m2 = LlamaCppMember("gemma3-quiet", base.path, base.tokenizer)  # logging not turned up: silent
+    st = m2.new_state(m2.encode_prompt("Hi"))
+    m2.next_logprobs([st])
+    m2.release(st)
+    assert capfd.readouterr().err == ""

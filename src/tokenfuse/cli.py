@@ -43,6 +43,9 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenfuse", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print the version")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show debug logs, llama.cpp's and transformers' own lines among them "
+                             "(also: TOKENFUSE_LOG=debug); before the command: tokenfuse --verbose generate ...")
     sub = parser.add_subparsers(dest="command")
 
     g = sub.add_parser(
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     commands = {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve,
                 "eval": eval_cli.run, "analyze": analyze_cli.run, "select": select.run}
-    _quiet_env()
+    _quiet_env(verbose=args.verbose or os.environ.get("TOKENFUSE_LOG", "").lower() == "debug")
     try:
         return commands[args.command](args)
     except TokenfuseError as err:
@@ -114,11 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _quiet_env() -> None:
-    """Quiet tokenizers and transformers for every command. Environment only: importing
-    transformers here would cost seconds on the llama.cpp path."""
+def _quiet_env(*, verbose: bool = False) -> None:
+    """Quiet tokenizers and transformers for every command (environment only: importing transformers
+    here would cost seconds on the llama.cpp path); with ``verbose`` every log line goes to stderr,
+    llama.cpp's own (logger ``tokenfuse.llama_cpp``) and transformers' (verbosity ``debug``) among them."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "debug" if verbose else "error")
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s", stream=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:

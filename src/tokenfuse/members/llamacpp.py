@@ -17,6 +17,7 @@ composition, so batch and one-by-one outputs can differ; it is off by default. R
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -49,7 +50,35 @@ def import_llama_cpp():
             f"backend llamacpp needs llama-cpp-python (it compiles llama.cpp, a few minutes): {PIP_LLAMACPP}; "
             "or set `backend: transformers` for this member"
         ) from err
+    _route_logs(llama_cpp)
     return llama_cpp
+
+
+log = logging.getLogger("tokenfuse.llama_cpp")
+_log_callback = None  # the ctypes callback llama.cpp holds (kept alive here)
+_last_level = logging.DEBUG
+# ggml_log_level of this llama.cpp: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the line)
+GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5
+
+
+def _route_logs(llama_cpp) -> None:
+    """Send llama.cpp's own log lines (context creation, the SWA cache notice, ...) to the Python
+    logger ``tokenfuse.llama_cpp`` instead of stderr: errors at ERROR, everything else at DEBUG, so a
+    terminal stays clean unless logging is turned up (``tokenfuse --verbose``, ``TOKENFUSE_LOG=debug``)."""
+    global _log_callback
+    if _log_callback is not None:
+        return
+
+    @llama_cpp.llama_log_callback
+    def callback(level: int, text: bytes, _user_data) -> None:
+        global _last_level
+        if level != GGML_LOG_CONT:
+            _last_level = logging.ERROR if level == GGML_LOG_ERROR else logging.DEBUG
+        if log.isEnabledFor(_last_level):
+            log.log(_last_level, "%s", text.decode("utf-8", errors="replace").rstrip("\n"))
+
+    _log_callback = callback
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 def _put(b: Any, j: int, token: int, pos: int, seq: int) -> None:
