@@ -148,9 +148,6 @@ class Ensemble:
             m.release(st)
         s.finish("cancelled")
 
-    def result(self, s: Sequence, timings: dict[str, float] | None = None) -> Generation:
-        return s.result(timings)
-
     # ------------------------------------------------------------------ whole calls
     def steps(self, prompts: Seq[Prompt], *, max_new_tokens: int, sampling: Sampling, stop: Seq[str] = (),
               chat: bool = False) -> Iterator[StepEvent]:

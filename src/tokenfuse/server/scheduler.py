@@ -231,7 +231,7 @@ class Scheduler:
                 s.finish("length")
             text = s.take_text()
             if s.finished:
-                g = ens.result(s)
+                g = s.result()
                 info = {
                     "prompt_tokens": {m.name: len(st.prompt_ids) for m, st in zip(ens.members, s.states)},
                     "primary": ens.members[ens.primary].name,
