@@ -99,3 +99,17 @@ def llamacpp_members():
 
     return {short: load_member(MemberConfig(name=short, source=full, backend="llamacpp"), progress=False)
             for short, full in SHORT.items()}
+
+
+@pytest.fixture(scope="module")
+def members(make_tiny, one_thread):
+    """Three tiny members named A, B, C (SmolLM2, Qwen and Gemma-3 tokenizers): the server tests' ensemble."""
+    return [make_tiny("smollm2", seed=0, name="A"), make_tiny("qwen", seed=1, name="B"),
+            make_tiny("gemma3", seed=2, name="C")]
+
+
+@pytest.fixture(scope="module")
+def ens(members, align_cache):
+    from tokenfuse.engine import Ensemble
+
+    return Ensemble(members, align_cache=align_cache)

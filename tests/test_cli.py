@@ -110,7 +110,6 @@ def test_invalid_yaml(capsys, tmp_path):
     (["--models", "smollm2,qwen", "--gate", "gemma3"], "gate: 'gemma3' is not a member"),
     (["--models", "smollm2,qwen", "--method", "gca"], "available: deepen, gac, unite"),
     (["--models", "smollm2,qwen", "--top-p", "0"], "decoding.top_p"),
-    (["--models", "smollm2,smollm2"], "unique"),
 ])
 def test_flag_errors_are_one_line(capsys, fake_load, argv, needle):
     code, out, err = run(capsys, "generate", "hi", *argv)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from tokenfuse import Ensemble
@@ -89,3 +91,59 @@ def test_gated_likelihood_is_the_gates_where_confident_and_gacs_elsewhere(make_t
     assert [x.logprob for x in never] == pytest.approx([x.logprob for x in full], abs=1e-5)
     assert [x.ensembled for x in always] == [0] * len(CONTS)
     assert [x.ensembled for x in never] == [x.pieces for x in never] == [x.ensembled for x in full]
+
+
+# ---------------------------------------------------------------------------- one-forward scoring
+STRADDLE = [" Paris", " naïve café 😀 東京", "Hello, world!\n\n  indented", " 1234567 + 89 = ?", ""]
+
+
+def _ensemble(ms, method: str, **kw):
+    params = {"unite": {"k": 5}}.get(method)
+    if method == "gac-gated":
+        return Ensemble(ms, primary=ms[1].name, gate=ms[1].name, threshold=0.05, **kw)
+    return Ensemble(ms, method=method, method_params=params, primary=ms[1].name, **kw)
+
+
+@pytest.mark.parametrize("method", ["gac", "unite", "deepen", "gac-gated"])
+def test_one_forward_scoring_equals_the_stepwise_path(make_tiny, one_thread, method, tmp_path):
+    ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2), make_tiny("qwen", seed=3)]
+    kw = {"align_cache": tmp_path} if method == "deepen" else {}
+    ens = _ensemble(ms, method, **kw)
+    requests = [(CONTEXT, c) for c in STRADDLE] + [("", "Hello world")]
+    fast = ens.loglikelihood(requests)
+    slow = ens.loglikelihood(requests, stepwise=True)
+    for f, s in zip(fast, slow):
+        assert f.logprob == pytest.approx(s.logprob, abs=1e-4)
+        assert [round(x, 4) for x in f.piece_logprobs] == pytest.approx([round(x, 4) for x in s.piece_logprobs], abs=2e-4)
+        assert (f.pieces, f.bytes, f.ensembled, f.piece_bytes) == (s.pieces, s.bytes, s.ensembled, s.piece_bytes)
+    assert b"".join(fast[1].piece_bytes) == STRADDLE[1].encode()
+
+
+def test_one_forward_scoring_feeds_each_member_in_few_forwards(make_tiny, one_thread, monkeypatch):
+    """Runs of pieces along which a member's ids only grow take one forward; the stepwise path one per piece."""
+    ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2)]
+    ens = Ensemble(ms, primary=ms[1].name)
+    calls = {m.name: 0 for m in ms}
+    for m in ms:
+        original = m._forward_at
+        monkeypatch.setattr(m, "_forward_at", lambda st, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(st, ends))
+    text = " the cat sat on the mat and looked at the dog"
+    (got,) = ens.loglikelihood([(CONTEXT, text)])
+    assert got.pieces == len(ms[1].codec.encode_text(text)) > 8
+    assert calls == {ms[0].name: 1, ms[1].name: 1}  # plain English: no member re-tokenises earlier pieces
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(text=st.text(alphabet=st.sampled_from(list("ab cdé😀東京,.\n-0123")), min_size=1, max_size=24))
+def test_one_forward_equals_stepwise_on_any_text(tiny_trio, text):
+    ens = tiny_trio
+    (fast,) = ens.loglikelihood([("Q:", text)])
+    (slow,) = ens.loglikelihood([("Q:", text)], stepwise=True)
+    assert fast.logprob == pytest.approx(slow.logprob, abs=1e-4)
+    assert fast.piece_bytes == slow.piece_bytes
+
+
+@pytest.fixture(scope="module")
+def tiny_trio(make_tiny, one_thread):
+    ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2), make_tiny("qwen", seed=3)]
+    return Ensemble(ms, primary=ms[0].name)

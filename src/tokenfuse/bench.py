@@ -9,6 +9,10 @@ rows alike. ms/token counts decode only: wall time from the first chosen piece (
 done) to the last, divided by the pieces after the first; stages likewise. ``ensembled_share`` is
 over all steps of the generation; ``skip_share`` is the share of ensembled steps decided by agreement
 skip.
+
+The load section: each member's warm load time, each bundled model's tokenizer built fresh from its
+GGUF and loaded from the cache (``tokenizer_times``; with ``compare_transformers`` also the
+transformers conversion it replaced), the alignment build cold and cached, and the warm start.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from tokenfuse.config import EnsembleConfig
 from tokenfuse.engine import Ensemble
 from tokenfuse.engine.timer import STAGES
 from tokenfuse.engine.sampling import Sampling
+from tokenfuse.progress import progress_bar
 
 PROMPTS = [
     "Question: What is the capital of France?\nAnswer:",
@@ -105,15 +110,45 @@ def _union_times(members, align: Path) -> dict:
     return {"cold_s": round(cold, 3), "cached_s": round(time.perf_counter() - t0, 3)}
 
 
+def tokenizer_times(names, *, root: Path, compare_transformers: bool = False) -> dict[str, dict]:
+    """Per bundled model in ``names``: its tokenizer built fresh from the GGUF into an empty directory
+    (``fresh_s``, what a first run pays), loaded from the cache (``warm_s``: ``FastTokenizer`` of
+    ``ensure_tokenizer``) and, with ``compare_transformers`` (about a minute for the three), the
+    transformers conversion it replaced (``transformers_s``)."""
+    from tokenfuse.bundled import BUNDLED, convert_tokenizer_with_transformers
+    from tokenfuse.logs import route_transformers_logs
+    from tokenfuse.members.fasttok import FastTokenizer
+    from tokenfuse.members.gguf_tokenizer import ensure_tokenizer, write_tokenizer
+
+    times: dict[str, dict] = {}
+    for name in dict.fromkeys(n for n in names if n in BUNDLED):
+        gguf = BUNDLED[name].gguf_path(root)
+        entry = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            write_tokenizer(gguf, tmp)
+            entry["fresh_s"] = round(time.perf_counter() - t0, 3)
+        ensure_tokenizer(name, root=root, progress=False)  # cached, so the next load is a warm one
+        t0 = time.perf_counter()
+        FastTokenizer(ensure_tokenizer(name, root=root))
+        entry["warm_s"] = round(time.perf_counter() - t0, 3)
+        if compare_transformers:
+            route_transformers_logs()
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.perf_counter()
+                convert_tokenizer_with_transformers(gguf, Path(tmp))
+                entry["transformers_s"] = round(time.perf_counter() - t0, 3)
+        times[name] = entry
+    return times
+
+
 def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max_new_tokens: int = 32,
               repeats: int = 3, thresholds=(0.3, 0.5, 0.7), quick: bool = False, json_path: str | None = None,
-              plot_path: str | None = None, methods=("gac", "unite")) -> dict:
-    from tqdm.auto import tqdm
-
+              plot_path: str | None = None, methods=("gac", "unite"), compare_transformers: bool = False) -> dict:
     from tokenfuse.bundled import BUNDLED, MARK_MODEL
     from tokenfuse.load import ensemble_from_members
     from tokenfuse.paths import cache_dir
-    from tokenfuse.placement.local import load_member
+    from tokenfuse.placement.local import load_member, share_member, shared_with
 
     root = cache_dir(cfg.cache_dir)
     align = root / "alignment"
@@ -122,12 +157,18 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     rows: list[dict] = []
     loads: dict[str, dict] = {}
     union_times: dict[str, dict] = {}
+    tokenizers = tokenizer_times([m.resolved_source for m in cfg.members], root=root,
+                                 compare_transformers=compare_transformers)
     for backend in backends:
         bcfg = _with_backend(cfg, backend)
         members = []
+        firsts = shared_with(bcfg.members)
         for i, mc in enumerate(bcfg.members):
             t0 = time.perf_counter()
-            m = load_member(mc, root=root, index=i)
+            if firsts[i] == i:
+                m = load_member(mc, root=root, index=i)
+            else:  # a self-ensemble's copy, on the model loaded for the first
+                m = share_member(members[firsts[i]], mc, root=root, index=i)
             entry = {"warm_load_s": round(time.perf_counter() - t0, 3)}
             src = mc.resolved_source
             if backend == "transformers" and src in BUNDLED:
@@ -160,7 +201,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     for r in rows:  # warm-up
         r["ens"].generate(prompts[0], max_new_tokens=4)
         r["samples"] = []
-    with tqdm(total=repeats * len(prompts) * len(rows), desc="bench", unit="gen") as bar:
+    with progress_bar(total=repeats * len(prompts) * len(rows), desc="bench", unit="generation") as bar:
         for _ in range(repeats):
             for p in prompts:
                 for r in rows:
@@ -195,7 +236,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
             "steps": steps,
             "peak_rss_mb": round(r["rss"], 1),
         })
-    result = {"rows": table, "loads": loads, "union": union_times,
+    result = {"rows": table, "loads": loads, "tokenizers": tokenizers, "union": union_times,
               "union_size": max(len(r["ens"].union) for r in rows),
               "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(prompts),
               "warm_start_s": round(warm_start_seconds(_with_backend(cfg, backends[0])), 2)}
@@ -227,6 +268,7 @@ def _print(result: dict) -> None:
               f"{r['stage_ms']['forward']:8.2f} {100 * r['outside_forward_share']:7.2f}% "
               f"{100 * r['ensembled_share']:5.1f}% {100 * r['skip_share']:5.1f}%  {ref}")
     print("\nloads (s):", json.dumps(result["loads"]))
+    print("tokenizer builds (s):", json.dumps(result["tokenizers"]))
     print(f"union: {result['union_size']} entries; build (s): {json.dumps(result['union'])}")
     print(f"warm start, process start to first token: {result['warm_start_s']} s; "
           f"peak RSS {max(r['peak_rss_mb'] for r in rows)} MB")

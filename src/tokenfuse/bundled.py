@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tokenfuse.errors import ModelNotInstalledError
 from tokenfuse.paths import cache_dir
+from tokenfuse.progress import progress_bar
 
 MARK_TOKENIZER = "tokenfuse-tokenizer.json"
 MARK_MODEL = "tokenfuse-model.json"
@@ -142,8 +143,6 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
     transformers (half a minute); ``tokenfuse.members.gguf_tokenizer.ensure_tokenizer(name)`` builds
     the same files from the GGUF metadata in about a second, so loaders call it first.
     """
-    from tqdm.auto import tqdm
-
     entry = BUNDLED[name]
     root = cache_dir(root)
     out = entry.model_dir(root)
@@ -151,7 +150,7 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
         return out
     entry.require()
     steps = ["locate GGUF", "tokenizer"] + (["model", "save model"] if model else [])
-    bar = tqdm(total=len(steps), desc=f"converting {name}", unit="step", disable=not progress)
+    bar = progress_bar(total=len(steps), desc=f"converting {name}", unit="step", enabled=progress)
     gguf = entry.gguf_path(root)
     bar.update(1)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,6 +178,7 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
             lm.generation_config.save_pretrained(out)
         _mark(out / MARK_MODEL, gguf, time.perf_counter() - t0)
         bar.update(1)
+    bar.set_postfix_str("", refresh=False)
     bar.close()
     return out
 

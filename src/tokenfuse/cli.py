@@ -15,6 +15,17 @@ from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval import cli as eval_cli
 
 
+class UsageError(TokenfuseError):
+    """A command line argparse refuses (a bad flag value, a missing or unknown argument)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as ``UsageError`` (one line, exit 2 in ``main``) instead of usage + exit."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
 def _ensemble_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="ensemble config YAML (see examples/)")
@@ -40,8 +51,23 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable); trimmed from the output")
 
 
+def _server_args(s: argparse.ArgumentParser) -> None:
+    _ensemble_args(s)
+    _decoding_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("TOKENFUSE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $TOKENFUSE_API_KEY, else no key)")
+    s.add_argument("--model-name", default="tokenfuse", help="the model id clients send (default tokenfuse)")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    s.add_argument("--max-batch", type=int, default=16, help="sequences stepped together at most")
+    s.add_argument("--truncate", action="store_true",
+                   help="left-truncate prompts that do not fit the smallest member context (default: 400)")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenfuse", description=__doc__)
+    parser = _Parser(prog="tokenfuse", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print the version")
     parser.add_argument("--verbose", action="store_true",
                         help="show debug logs, llama.cpp's and transformers' own lines among them "
@@ -59,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="treat the prompt as a user message (each member's chat template)")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, steps and timings")
+    g.add_argument("--trace", action="store_true",
+                   help="add every step to the --json output (implies --json): the chosen piece, its combined "
+                        "probability, each member's top-k, gated / ensembled / skipped (docs/serving.md)")
+    g.add_argument("--trace-k", type=int, default=5, metavar="K", help="top-k per member in --trace (default 5)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
     sub.add_parser("models", help="list the bundled models: installed? converted?")
@@ -75,20 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", dest="plot_path", help="draw the rows to this image (needs matplotlib)")
     b.add_argument("--backends", default="llamacpp,transformers",
                    help="backends to compare, in one run (default: llamacpp,transformers)")
+    b.add_argument("--compare-transformers", action="store_true",
+                   help="also time each bundled tokenizer's conversion through transformers (about a minute)")
 
     s = sub.add_parser("serve", help="serve the ensemble over an OpenAI-compatible HTTP API (extra: server)")
-    _ensemble_args(s)
-    _decoding_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("TOKENFUSE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $TOKENFUSE_API_KEY, else no key)")
-    s.add_argument("--model-name", default="tokenfuse", help="the model id clients send (default tokenfuse)")
-    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
-    s.add_argument("--max-batch", type=int, default=16, help="sequences stepped together at most")
-    s.add_argument("--truncate", action="store_true",
-                   help="left-truncate prompts that do not fit the smallest member context (default: 400)")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    _server_args(s)
+    pg = sub.add_parser("playground", help="serve the ensemble and open its web playground in a browser "
+                                           "(extra: server; the options of serve)")
+    _server_args(pg)
+    pg.add_argument("--no-browser", action="store_true", help="only print the playground's URL")
     eval_cli.add_parser(sub)
     analyze_cli.add_parser(sub)
     select.add_parser(sub)
@@ -96,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as err:
+        return _error(err)
     if args.version:
         from tokenfuse import __version__
 
@@ -105,22 +133,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 2
-    commands = {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve,
+    commands = {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve, "playground": _playground,
                 "eval": eval_cli.run, "analyze": analyze_cli.run, "select": select.run}
     _quiet_env(verbose=args.verbose or os.environ.get("TOKENFUSE_LOG", "").lower() == "debug")
     try:
         return commands[args.command](args)
     except TokenfuseError as err:
-        print(f"tokenfuse: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
     except KeyboardInterrupt:
         return 130
 
 
+def _error(err: TokenfuseError) -> int:
+    """A user mistake: one line on stderr (a message's own line breaks become spaces), exit status 2."""
+    print("tokenfuse: error: " + " ".join(str(err).splitlines()), file=sys.stderr)
+    return 2
+
+
 def _quiet_env(*, verbose: bool = False) -> None:
     """Quiet tokenizers and transformers for every command (environment only: importing transformers
-    here would cost seconds on the llama.cpp path); with ``verbose`` every log line goes to stderr,
-    llama.cpp's own (logger ``tokenfuse.llama_cpp``) and transformers' (verbosity ``debug``) among them."""
+    here would cost seconds on the llama.cpp path). llama.cpp's lines (logger ``tokenfuse.llama_cpp``)
+    and transformers' (logger ``transformers``, ``tokenfuse.logs.route_transformers_logs``) go
+    through Python logging, which has no handler unless ``verbose``: then every record at DEBUG and
+    above goes to stderr (transformers' verbosity ``debug``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "debug" if verbose else "error")
     if verbose:
@@ -134,6 +169,9 @@ def _generate(args: argparse.Namespace) -> int:
     from tokenfuse.load import load_ensemble
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.trace_k < 1:
+        raise TokenfuseError(f"--trace-k: must be at least 1, got {args.trace_k}")
+    args.json = args.json or args.trace
     cfg = EnsembleConfig.from_args(args)
     t0 = time.perf_counter()
     ens = load_ensemble(cfg, progress=not (args.quiet or args.json))
@@ -146,7 +184,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
         print()
         return 0
-    g = ens.generate(prompt, **kw)
+    g = ens.generate(prompt, **kw, **({"trace": True, "trace_k": args.trace_k} if args.trace else {}))
     if not args.json:
         print(g.text)
         return 0
@@ -171,6 +209,7 @@ def _generate(args: argparse.Namespace) -> int:
         "union_build_s": round(ens.union.build_seconds, 3),
         "timings_s": {k: round(v, 4) for k, v in g.timings.items()},
         "ms_per_token": per_token,
+        **({"trace": [s.to_dict() for s in g.trace]} if args.trace else {}),
     }, ensure_ascii=False))
     return 0
 
@@ -203,7 +242,7 @@ def _bench(args: argparse.Namespace) -> int:
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     run_bench(cfg, backends=backends, max_new_tokens=args.max_new_tokens,
               repeats=1 if args.quick else args.repeats, thresholds=thresholds, quick=args.quick,
-              json_path=args.json_path, plot_path=args.plot_path,
+              json_path=args.json_path, plot_path=args.plot_path, compare_transformers=args.compare_transformers,
               methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
     return 0
 
@@ -225,6 +264,45 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tokenfuse: warning: serving on {args.host} without --api-key", file=sys.stderr)
     serve(ens, config=cfg, settings=settings, host=args.host, port=args.port)
     return 0
+
+
+def _playground(args: argparse.Namespace) -> int:
+    """``serve``, and once the server answers, print the playground's URL and open it in a browser."""
+    import socket
+    import threading
+
+    try:  # fail before loading the members, not after
+        socket.create_server((args.host, args.port)).close()
+    except OSError as err:
+        raise TokenfuseError(f"--port: cannot listen on {args.host}:{args.port} ({err.strerror or err}); "
+                             "choose another --port") from None
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(args.host, args.host)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{args.port}/"
+    done = threading.Event()
+    threading.Thread(target=_announce, args=(url, not args.no_browser, bool(args.api_key), done), daemon=True).start()
+    try:
+        return _serve(args)
+    finally:
+        done.set()
+
+
+def _announce(url: str, open_browser: bool, needs_key: bool, done) -> None:
+    """Wait until ``url`` answers ``/health`` (or the server ``done``), then print it and open a browser."""
+    import urllib.request
+    import webbrowser
+
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an http_proxy
+    while not done.is_set():
+        try:
+            with direct.open(url + "health", timeout=2):
+                break
+        except OSError:
+            done.wait(0.25)
+    else:
+        return
+    print(f"tokenfuse playground: {url}" + ("  (enter the API key in the page)" if needs_key else ""), flush=True)
+    if open_browser:
+        webbrowser.open(url)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreeme
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf / .nan are no weight or temperature
 
 
 class MemberConfig(_Strict):
@@ -90,7 +90,7 @@ class DecodingConfig(_Strict):
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # a 64-bit integer (what the sampler's generator takes)
     stop: list[str] = Field(default_factory=list)
 
 
@@ -105,6 +105,9 @@ class EnsembleConfig(_Strict):
     gate: str | None = None
     threshold: float | None = Field(None, ge=0, le=1)
     window: int = Field(8, ge=1, le=256)
+    # likelihood scoring: each member's ids fed in as few chunked forwards as they allow, or piece by
+    # piece (the reference path; docs/evaluation.md, "One-forward scoring")
+    scoring: Literal["one-forward", "stepwise"] = "one-forward"
     parallel: bool = True  # forward members in threads (measured faster on a 2-core CPU; see README)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     cache_dir: str | None = None
@@ -123,7 +126,7 @@ class EnsembleConfig(_Strict):
             check_members([m.name for m in self.members], [m.weight for m in self.members], gate=self.gate,
                           threshold=self.threshold, primary=self.primary)
         except ConfigError as err:
-            raise ValueError(str(err)) from None
+            raise ValueError(str(err) + _repeat_hint(self.members)) from None
         if combiner_class(self.method).needs == "full":
             for i, m in enumerate(self.members):
                 if m.backend == "openai" and m.topk_fill == "error":
@@ -194,13 +197,14 @@ class EnsembleConfig(_Strict):
     def from_args(cls, args: argparse.Namespace) -> EnsembleConfig:
         """The config of a command's flags: ``--config`` or ``--models`` (default: the bundled
         ensemble), then ``--method``, ``--param KEY=VALUE``, ``--gate``, ``--threshold``,
-        ``--primary``, ``--agreement-skip``, ``--weights`` and the decoding flags, each where the
+        ``--primary``, ``--agreement-skip``, ``--scoring``, ``--weights`` and the decoding flags, each where the
         command has it (a flag the command lacks or leaves unset changes nothing)."""
         def flag(name: str) -> Any:
             return getattr(args, name, None)
 
         cfg = config_from_source(config=flag("config"), models=flag("models"))
-        options: dict[str, Any] = {k: flag(k) for k in ("method", "gate", "threshold", "primary", "agreement_skip")
+        options: dict[str, Any] = {k: flag(k) for k in ("method", "gate", "threshold", "primary", "agreement_skip",
+                                                        "scoring")
                                    if flag(k) is not None}
         if flag("param"):
             options["params"] = dict(_key_value(item) for item in flag("param"))
@@ -215,6 +219,17 @@ class EnsembleConfig(_Strict):
             decoding["stop"] = list(flag("stop"))
         return cfg.with_overrides(**options, decoding=decoding, origin=flag("config") or "command line",
                                   names={"weights": "--weights", "params": "--param"})
+
+
+def _repeat_hint(members: list[MemberConfig]) -> str:
+    """How to ensemble a model with itself, for members that repeat a name ("" when none does)."""
+    names = [m.name for m in members]
+    dup = next((m for m in members if names.count(m.name) > 1), None)
+    if dup is None:
+        return ""
+    src = dup.resolved_source
+    return (f"; to ensemble a model with itself give each copy its own name with the same source "
+            f"(`name: {dup.name}#2`, `source: {src}`), or repeat it in --models ({src},{src})")
 
 
 def _weights(weights: Any, members: list[MemberConfig], label: str) -> list[Any]:
@@ -238,16 +253,28 @@ def _key_value(item: str) -> tuple[str, Any]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--param: expected KEY=VALUE, got {item!r}")
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--param {key.strip()}: the value is not valid YAML ({_yaml_problem(err)}): "
+                          f"{value!r}") from None
 
 
 def _format(err: ValidationError, origin: str) -> str:
+    """Every validation error on one line, each naming its field: ``<origin>: members.1.weight: ...``."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"{origin}: {loc}: {msg}" if loc else f"{origin}: {msg}")  # model checks name their field
-    return "\n".join(lines)
+    return "; ".join(lines)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (``line 2, column 5``)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def parse_config(data: Any, *, origin: str = "config") -> EnsembleConfig:
@@ -268,7 +295,11 @@ def load_config(path: str | Path) -> EnsembleConfig:
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(err)}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not a UTF-8 text file (byte {err.start}); write the config as UTF-8 YAML") from None
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read the config file: {err.strerror or err}") from None
     return parse_config(data, origin=str(p))
 
 
@@ -281,9 +312,19 @@ def config_from_source(*, config: str | Path | None = None, models: str | list[s
 
 
 def config_from_models(models: str | list[str], **overrides: Any) -> EnsembleConfig:
-    """A config from a comma-separated list of member names/sources (the CLI's ``--models``)."""
-    names = [m.strip() for m in (models.split(",") if isinstance(models, str) else models) if m.strip()]
-    members = [{"name": _short(n), "source": n} for n in names]
+    """A config from a comma-separated list of member names/sources (the CLI's ``--models``).
+
+    Each member is named after its source (a ``.gguf`` file's stem, a directory's name); a name
+    given again gets ``#2``, ``#3``, ...: ``gemma3-270m,gemma3-270m`` is the members ``gemma3-270m``
+    and ``gemma3-270m#2`` (loaded once, ``tokenfuse.load.load_ensemble``)."""
+    sources = [m.strip() for m in (models.split(",") if isinstance(models, str) else models) if m.strip()]
+    members: list[dict[str, str]] = []
+    for source in sources:  # a repeated model is a self-ensemble: its copies are name, name#2, ...
+        name, copy = _short(source), 1
+        while any(m["name"] == name for m in members):
+            copy += 1
+            name = f"{_short(source)}#{copy}"
+        members.append({"name": name, "source": source})
     return parse_config({"members": members, **{k: v for k, v in overrides.items() if v is not None}},
                         origin="--models")
 

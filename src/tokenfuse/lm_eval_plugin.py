@@ -49,6 +49,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: it loads them only into an empty registry)
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from tokenfuse.config import EnsembleConfig
 from tokenfuse.engine import Ensemble
+from tokenfuse.logs import route_transformers_logs
 from tokenfuse.paths import cache_dir
-from tokenfuse.placement.local import check_source, load_member, needs_transformers
+from tokenfuse.progress import progress_bar
+from tokenfuse.placement.local import check_source, load_member, needs_transformers, share_member, shared_with
 
 __all__ = ["check_source", "ensemble_from_members", "load_ensemble", "load_member"]
 
@@ -17,11 +19,11 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
     """Load every member of ``cfg`` (in threads, with a progress bar) and build the ensemble.
 
     Loading overlaps well (llama.cpp and safetensors reads release the GIL), which matters for the
-    time from process start to the first token.
+    time from process start to the first token. A member that repeats an earlier one's model and
+    load settings (a self-ensemble, ``--models x,x``) shares its loaded model
+    (``tokenfuse.placement.local.share_member``).
     """
     from concurrent.futures import ThreadPoolExecutor
-
-    from tqdm.auto import tqdm
 
     root = cache_dir(cfg.cache_dir)
     for i, m in enumerate(cfg.members):
@@ -34,13 +36,22 @@ def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
         # transformers resolves its classes lazily on first import; doing that in several loader
         # threads at once can fail, so do it here, once, first.
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        route_transformers_logs()
     with ThreadPoolExecutor(max_workers=len(cfg.members)) as pool, \
-            tqdm(total=len(cfg.members), desc="loading members", unit="model", disable=not progress) as bar:
-        futures = [pool.submit(load_member, m, root=root, progress=progress, index=i)
-                   for i, m in enumerate(cfg.members)]
-        for f in futures:
+            progress_bar(total=len(cfg.members), desc="loading members", unit="model", enabled=progress) as bar:
+        firsts = shared_with(cfg.members)
+        futures = {i: pool.submit(load_member, m, root=root, progress=progress, index=i)
+                   for i, m in enumerate(cfg.members) if firsts[i] == i}
+        for f in futures.values():
             f.add_done_callback(lambda _: bar.update(1))
-        members = [f.result() for f in futures]
+        loaded = {i: f.result() for i, f in futures.items()}
+        members = []
+        for i, m in enumerate(cfg.members):
+            if i not in loaded:
+                loaded[i] = share_member(loaded[firsts[i]], m, root=root, index=i)
+                bar.update(1)
+            members.append(loaded[i])
     return ensemble_from_members(cfg, members, progress=progress)
 
 
@@ -55,7 +66,7 @@ def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None, progress:
         m.score = mc.score
     ens = Ensemble(members, method=cfg.method, method_params=cfg.params, primary=cfg.primary_name,
                    agreement_skip=cfg.agreement_skip, gate=cfg.gate, threshold=cfg.threshold,
-                   window=cfg.window, parallel=cfg.parallel, union=union,
+                   window=cfg.window, parallel=cfg.parallel, union=union, scoring=cfg.scoring,
                    align_cache=cache_dir(cfg.cache_dir) / "alignment")
     ens.combiner.prepare(progress=progress)
     return ens

@@ -140,14 +140,14 @@ def evaluate_candidate(ensemble, task, items: Sequence[dict], *, chat: bool, bat
                        name: str | None = None) -> CandidateResult:
     """Generate greedily for ``items`` in batches with ``ensemble`` (one member) and grade the outputs
     (``tokenfuse.tasks.generate_graded``)."""
-    from tqdm.auto import tqdm
+    from tokenfuse.progress import progress_bar
 
     if batch_size < 1:
         raise TokenfuseError(f"--batch-size: expected 1 or more, got {batch_size}")
     name = name or "+".join(m.name for m in ensemble.members)
     outputs, correct, total_bytes = [], 0, 0
     t0 = time.perf_counter()
-    with tqdm(total=len(items), desc=f"{name} ({task.name})", unit="item", disable=not progress) as bar:
+    with progress_bar(total=len(items), desc=f"select {name} ({task.name})", unit="item", enabled=progress) as bar:
         for start in range(0, len(items), batch_size):
             batch = items[start:start + batch_size]
             for r in generate_graded(ensemble, task, batch, chat=chat, max_new_tokens=max_new_tokens):

@@ -56,6 +56,9 @@ def load_codecs(cfg) -> dict[str, object]:
         else:
             from transformers import AutoTokenizer
 
+            from tokenfuse.logs import route_transformers_logs
+
+            route_transformers_logs()
             tok = AutoTokenizer.from_pretrained(source, trust_remote_code=m.trust_remote_code)
         codecs[m.name] = ByteCodec(tok)
     return codecs

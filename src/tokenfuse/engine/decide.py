@@ -12,11 +12,16 @@ For a batch of sequences at one step:
    alone is just projected).
 4. **Choice**: greedy (exact ties go to the primary member's preference, then the smaller bytes) or
    sampling with the sequence's own generator.
+
+A traced sequence (``Sequence.trace``) also gets a ``StepRecord`` in its ``Decision`` (``trace.py``):
+its group is then combined on agreement-skipped rows too (for the record only) and top-k members
+are asked for at least the trace's k tokens. Untraced groups do none of this.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -28,7 +33,8 @@ from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import choose
 from tokenfuse.engine.sequence import Sequence
 from tokenfuse.engine.timer import StageTimer
-from tokenfuse.members.base import Member
+from tokenfuse.engine.trace import record_step
+from tokenfuse.members.base import Member, SeqState
 
 Group = tuple[list[int], list[int]]  # (rows of the batch, the members that decide them)
 
@@ -50,24 +56,36 @@ class Decider:
         self.agreement_skip = agreement_skip
 
     # ------------------------------------------------------------------ members
-    def forward(self, which: list[int], seqs: list[Sequence]) -> dict[int, MemberOutput]:
-        """Members ``which`` on ``seqs`` (timed as ``forward``)."""
+    def forward(self, which: list[int], seqs: list[Sequence], *, trace_k: int = 0) -> dict[int, MemberOutput]:
+        """Members ``which`` on ``seqs`` (timed as ``forward``); a top-k combiner's members give at
+        least ``trace_k`` entries (a traced step shows them; ``view`` passes the combiner its own k)."""
         if not seqs:
             return {}
         with self.timer.stage("forward"):
             states = {i: [s.states[i] for s in seqs] for i in which}
-            return self.pool.forward(which, states, topk=self.combiner.k if self.combiner.needs == "topk" else 0)
+            topk = max(self.combiner.k, trace_k) if self.combiner.needs == "topk" else 0
+            return self.pool.forward(which, states, topk=topk)
 
     def groups(self, seqs: list[Sequence]) -> list[Group]:
         """Rows of ``seqs`` and the members that decide them: all weighted members, or with a gate
         the gate alone where its top probability is above the threshold and the weighted members
         (the gate among them if weighted) elsewhere."""
+        if self.gate is None:
+            return self.split(None, len(seqs))
+        return self.split(self.forward([self.gate], seqs)[self.gate], len(seqs))
+
+    def computed(self) -> list[int]:
+        """Every member that may decide a row: the weighted ones and the gate."""
+        return sorted({i for i, m in enumerate(self.members) if m.weight > 0} | ({self.gate} if self.gate is not None else set()))
+
+    def split(self, gate_out: MemberOutput | None, n: int) -> list[Group]:
+        """``groups`` from the gate's output on ``n`` rows (``None`` without a gate)."""
         weights = [m.weight for m in self.members]
         run = [i for i, w in enumerate(weights) if w > 0]
         if self.gate is None:
-            return [(list(range(len(seqs))), run)]
+            return [(list(range(n)), run)]
         g = self.gate
-        top = self.forward([g], seqs)[g].top_logprob()
+        top = gate_out.top_logprob()
         confident = (top.exp() > self.threshold).tolist()
         sure = [r for r, c in enumerate(confident) if c]
         unsure = [r for r, c in enumerate(confident) if not c]
@@ -80,12 +98,19 @@ class Decider:
     def view(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
              pick: torch.Tensor | None = None) -> StepView:
         """The combiner's view of ``seqs`` from the members' outputs (rows ``pick`` of them, if given)."""
-        view = StepView(space=self.space, models=self.members, states={i: [s.states[i] for s in seqs] for i in members},
+        return self.states_view({i: [s.states[i] for s in seqs] for i in members}, members, outs, pick)
+
+    def states_view(self, states: dict[int, list[SeqState]], members: list[int], outs: dict[int, MemberOutput],
+                    pick: torch.Tensor | None = None) -> StepView:
+        """``view`` from each member's states of the rows (one-forward scoring builds its own)."""
+        view = StepView(space=self.space, models=self.members, states=states,
                         members=members, weights=[self.members[i].weight for i in members], stage=self.timer.stage)
         for i in members:
             o = outs[i].rows(pick)
             if o.logprobs is not None:
                 view.logprobs[i] = o.logprobs
+            elif o.topk[1].shape[-1] > self.combiner.k:  # widened for a trace
+                view.topk[i] = (o.topk[0][:, : self.combiner.k], o.topk[1][:, : self.combiner.k])
             else:
                 view.topk[i] = o.topk
         return view
@@ -97,12 +122,16 @@ class Decider:
         for rows, members in self.groups(seqs):
             sub = [seqs[r] for r in rows]
             alone = gated and members == [self.gate]
-            for r, d in zip(rows, self._decide_group(sub, members, self.forward(members, sub), alone)):
+            traced = [s.trace.options.k for s in sub if s.trace is not None]
+            outs = self.forward(members, sub, trace_k=max(traced, default=0))
+            for r, d in zip(rows, self._decide_group(sub, members, outs, alone, traced=bool(traced))):
                 decisions[r] = d
         return decisions
 
     def _decide_group(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
-                      gated: bool) -> list[Decision]:
+                      gated: bool, *, traced: bool = False) -> list[Decision]:
+        """Decide every row of one group. With ``traced`` (some row is traced) the combination also
+        covers agreement-skipped rows, for their trace only (their choice stays the agreed entry)."""
         ens = len(members) > 1
         result: list[Decision | None] = [None] * len(seqs)
         todo = list(range(len(seqs)))
@@ -113,18 +142,29 @@ class Decider:
                 for r, u in enumerate(agreed):
                     if u >= 0:
                         result[r] = Decision(u, ens, skipped=ens, gated=gated)
-        if todo:
-            view = self.view([seqs[r] for r in todo], members, outs,
-                             None if len(todo) == len(seqs) else torch.tensor(todo))
+        combined = list(range(len(seqs))) if traced else todo
+        if combined:
+            view = self.view([seqs[r] for r in combined], members, outs,
+                             None if len(combined) == len(seqs) else torch.tensor(combined))
             with self.timer.stage("combine"):
                 if len(members) == 1 and members[0] in view.logprobs:
                     dist = Dist(view.project(members[0]))  # a member alone
                 else:
                     dist = self.combiner.combine(view)
             with self.timer.stage("choose"):
-                for j, r in enumerate(todo):
-                    result[r] = Decision(self.choose(dist, j, seqs[r]), ens, gated=gated)
+                for j, r in enumerate(combined):
+                    if result[r] is None:
+                        result[r] = Decision(self.choose(dist, j, seqs[r]), ens, gated=gated)
+            if traced:  # (untimed: a trace's own cost shows as "other")
+                for j, r in enumerate(combined):
+                    if seqs[r].trace is not None:
+                        result[r] = self._traced(result[r], dist, j, outs, r, seqs[r])
         return result
+
+    def _traced(self, d: Decision, dist: Dist, j: int, outs: dict[int, MemberOutput], r: int, s: Sequence) -> Decision:
+        rec = record_step(self.space, self.members, self.primary, s.trace.options, d.entry, dist, j, outs, r, s.states,
+                          gated=d.gated, ensembled=d.ensembled, skipped=d.skipped)
+        return replace(d, trace=rec)
 
     def _skip_enabled(self, seqs: list[Sequence], members: list[int]) -> bool:
         greedy = all(s.sampling.greedy for s in seqs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenfuse.engine.trace import StepRecord
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -16,9 +18,11 @@ class Decision:
             combination were skipped (agreement skip).
         gated: thresholded mode: the gate member alone decided (its top probability was above the
             threshold).
+        trace: what the step looked like, for a traced sequence only (``None`` otherwise).
     """
 
     entry: int
     ensembled: bool
     skipped: bool = False
     gated: bool = False
+    trace: StepRecord | None = None

@@ -8,7 +8,8 @@ shared between members. Where each part lives:
 - ``sequence.Sequence``: one sequence's member states, output, stops, finishing and text out;
 - ``decide.Decider``: which members run, agreement skip, combination and choice (a ``Decision``);
 - ``pool.MemberPool``: the members' forward passes, in threads;
-- ``likelihood``: teacher forcing; ``timer.StageTimer``: where the time goes.
+- ``likelihood``: teacher forcing; ``timer.StageTimer``: where the time goes;
+- ``trace``: the step trace of a sequence opened with ``trace`` (nothing is recorded otherwise).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sequence import Generation, Sequence, StepEvent
 from tokenfuse.engine.timer import StageTimer
+from tokenfuse.engine.trace import Trace, TraceOptions, TraceStep
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member
 
@@ -37,8 +39,8 @@ from tokenfuse.members.base import Member
 def check_members(names: Seq[str], weights: Seq[float], *, gate: str | None = None, threshold: float | None = None,
                   primary: str | None = None) -> None:
     """The rules an ensemble's members obey (the config checks them through this too): at least
-    one member, unique names, ``gate``/``primary`` among them, a threshold only with a gate, some
-    positive weight. Raises ``ConfigError`` naming the field."""
+    one member, unique names, ``gate``/``primary`` among them, a threshold exactly when there is a
+    gate, some positive weight. Raises ``ConfigError`` naming the field."""
     if not names:
         raise ConfigError("members: an ensemble needs at least one member")
     dup = sorted({n for n in names if list(names).count(n) > 1})
@@ -49,6 +51,9 @@ def check_members(names: Seq[str], weights: Seq[float], *, gate: str | None = No
     for field_name, value in (("gate", gate), ("primary", primary)):
         if value is not None and value not in names:
             raise ConfigError(f"{field_name}: {value!r} is not a member (members: {', '.join(names)})")
+    if gate is not None and threshold is None:
+        raise ConfigError(f"threshold: gate {gate!r} needs a threshold (ensemble where its top probability is at "
+                          "or below it), e.g. threshold: 0.5")
     if all(w <= 0 for w in weights):
         raise ConfigError("members.weight: at least one member needs a positive weight")
 
@@ -76,6 +81,9 @@ class Ensemble:
         align_cache: directory for cached alignment tables (``None``: no disk cache).
         union: an already built union of these members' vocabularies (e.g. shared by a server's
             ensembles), else built or loaded.
+        scoring: ``loglikelihood``'s path: ``one-forward`` (each member's ids in as few chunked
+            forwards as they allow) or ``stepwise`` (piece by piece, the reference); see
+            ``tokenfuse.engine.likelihood``.
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class Ensemble:
         parallel: bool = True,
         align_cache: str | Path | None = None,
         union: UnionVocab | None = None,
+        scoring: str = "one-forward",
     ) -> None:
         names = [m.name for m in members]
         check_members(names, [m.weight for m in members], gate=gate, threshold=threshold, primary=primary)
@@ -103,6 +112,9 @@ class Ensemble:
         self.agreement_skip = agreement_skip
         self.window = window
         self.parallel = parallel
+        if scoring not in ("one-forward", "stepwise"):
+            raise ConfigError(f"scoring: expected 'one-forward' or 'stepwise', got {scoring!r}")
+        self.scoring = scoring
         self.align_cache = Path(align_cache) if align_cache is not None else None
         self.space = VocabSpace.build(names, [m.codec for m in members], union=union, cache=self.align_cache)
         self.timer = StageTimer()
@@ -112,9 +124,10 @@ class Ensemble:
                                gate=self.gate, threshold=threshold, agreement_skip=agreement_skip)
 
     @classmethod
-    def single(cls, member: Member, *, window: int = 8, align_cache: str | Path | None = None) -> Ensemble:
+    def single(cls, member: Member, *, window: int = 8, align_cache: str | Path | None = None,
+               scoring: str = "one-forward") -> Ensemble:
         """One member alone through the same engine (its own choices, its own likelihoods)."""
-        return cls([member], window=window, parallel=False, align_cache=align_cache)
+        return cls([member], window=window, parallel=False, align_cache=align_cache, scoring=scoring)
 
     @property
     def union(self) -> UnionVocab:
@@ -122,19 +135,21 @@ class Ensemble:
 
     # ------------------------------------------------------------------ sequences
     def open(self, prompt: Prompt, *, chat: bool = False, sampling: Sampling = Sampling(), stop: Seq[str] = (),
-             max_new_tokens: int = 64, index: int = 0) -> Sequence:
+             max_new_tokens: int = 64, index: int = 0, trace: TraceOptions | None = None) -> Sequence:
         """Start a sequence (every member encodes the prompt); run it with ``step``, free it with ``close``.
 
         Sequences opened separately can share a ``step`` (each keeps its own sampling options, stop
         strings and length limit), so callers such as a server can let requests join and leave a
-        running batch between steps.
+        running batch between steps. With ``trace`` its steps are recorded (``Sequence.take_steps``).
+        ``max_new_tokens=0`` opens a sequence that has already finished (``length``).
         """
         states = [m.new_state(prompt_ids(m, prompt, chat=chat)) for m in self.members]
         gen = None
         if not sampling.greedy:
             gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
         return Sequence(index, states, self.space, self.window, sampling, [s.encode("utf-8") for s in stop if s],
-                        max_new_tokens, gen)
+                        max_new_tokens, gen, finished="length" if max_new_tokens <= 0 else None,
+                        trace=Trace(trace) if trace is not None else None)
 
     def step(self, active: list[Sequence]) -> list[StepEvent]:
         """One decoding step for every sequence in ``active`` (all unfinished)."""
@@ -163,12 +178,20 @@ class Ensemble:
                 self.close(s)
 
     def generate(self, prompts: Prompt | Seq[Prompt], *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-                 stop: Seq[str] = (), chat: bool = False) -> Generation | list[Generation]:
-        """Generate for one prompt (returns a ``Generation``) or a batch (returns a list)."""
+                 stop: Seq[str] = (), chat: bool = False, trace: bool = False,
+                 trace_k: int = 5) -> Generation | list[Generation]:
+        """Generate for one prompt (returns a ``Generation``) or a batch (returns a list).
+
+        With ``trace`` each ``Generation.trace`` lists every step: the chosen piece, its combined
+        probability, the combined and each member's ``trace_k`` most likely tokens and how the step
+        was decided (``tokenfuse.engine.trace``). The output is the same with or without it.
+        """
         single = is_single(prompts)
         batch = [prompts] if single else list(prompts)
         before, t0 = self.timer.snapshot(), time.perf_counter()
-        seqs = [self.open(p, chat=chat, sampling=sampling, stop=stop, max_new_tokens=max_new_tokens, index=i)
+        opts = TraceOptions(k=trace_k) if trace else None
+        seqs = [self.open(p, chat=chat, sampling=sampling, stop=stop, max_new_tokens=max_new_tokens, index=i,
+                          trace=opts)
                 for i, p in enumerate(batch)]
         try:
             while active := [s for s in seqs if s.finished is None]:
@@ -181,26 +204,62 @@ class Ensemble:
         return results[0] if single else results
 
     def stream(self, prompt: Prompt, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-               stop: Seq[str] = (), chat: bool = False) -> Iterator[str]:
+               stop: Seq[str] = (), chat: bool = False, trace: bool = False,
+               trace_k: int = 5) -> Iterator[str] | Iterator[TraceStep]:
         """Text pieces as they become final: never a split UTF-8 character, never a stop string.
 
-        The pieces concatenate to ``generate(...).text`` for the same arguments.
+        The pieces concatenate to ``generate(...).text`` for the same arguments. With ``trace`` it
+        yields the steps (``TraceStep``) instead, as they become final under the same rules; their
+        ``text`` fields concatenate to that text and they equal ``generate(..., trace=True).trace``.
         """
-        s = self.open(prompt, chat=chat, sampling=sampling, stop=stop, max_new_tokens=max_new_tokens)
+        s = self.open(prompt, chat=chat, sampling=sampling, stop=stop, max_new_tokens=max_new_tokens,
+                      trace=TraceOptions(k=trace_k) if trace else None)
         try:
             while s.finished is None:
                 self.step([s])
-                if text := s.take_text():
+                if trace:
+                    yield from s.take_steps()
+                elif text := s.take_text():
                     yield text
         finally:
             self.close(s)
 
-    def loglikelihood(self, requests: Seq[tuple[Prompt, str]], *, chat: bool = False) -> list[Likelihood]:
+    def prompt_logprobs(self, prompt: str) -> list[tuple[bytes, float | None]]:
+        """The prompt's pieces in the primary member's segmentation, each with its log-probability
+        given the pieces before it (teacher forcing, as ``loglikelihood``: the first piece is the
+        context, the rest its continuation). The first piece has none (``None``); so do the next
+        ones in the rare case that the rest of the prompt, tokenised alone, would be cut otherwise
+        than within the whole prompt (the context then grows until it is not)."""
+        codec = self.space.codecs[self.primary]
+        ids = codec.encode_text(prompt)
+        pieces = [codec.token_bytes[t] or b"" for t in ids]
+        data = prompt.encode("utf-8")
+        for m in range(1, len(ids) + 1):
+            head = b"".join(pieces[:m])
+            try:
+                context = head.decode("utf-8")
+            except UnicodeDecodeError:
+                continue  # a split character: the context grows to the end of it
+            rest = data[len(head):].decode("utf-8")
+            if codec.encode_text(rest) == ids[m:]:
+                break
+        else:
+            return [(p, None) for p in pieces]
+        if not rest:
+            return [(p, None) for p in pieces]
+        (lk,) = self.loglikelihood([(context, rest)])
+        return [(p, None) for p in pieces[:m]] + list(zip(lk.piece_bytes, lk.piece_logprobs))
+
+    def loglikelihood(self, requests: Seq[tuple[Prompt, str]], *, chat: bool = False,
+                      stepwise: bool | None = None) -> list[Likelihood]:
         """Log-likelihood of each ``(context, continuation)`` under the token-level ensemble
-        (definition: ``tokenfuse.engine.likelihood``)."""
+        (definition: ``tokenfuse.engine.likelihood``); ``stepwise`` takes the piece-by-piece
+        reference path instead of one-forward scoring (default: the ensemble's ``scoring``)."""
+        if stepwise is None:
+            stepwise = self.scoring == "stepwise"
         seqs = [self.open(ctx, chat=chat, index=k) for k, (ctx, _) in enumerate(requests)]
         try:
-            return score(self.decider, seqs, [cont for _, cont in requests])
+            return score(self.decider, seqs, [cont for _, cont in requests], stepwise=stepwise)
         finally:
             for s in seqs:
                 self.close(s)

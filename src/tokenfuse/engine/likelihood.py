@@ -12,6 +12,23 @@ exactly that member's own likelihood of its tokens, each renormalised over its t
 Thresholded GaC (``gate``/``threshold``) gates each piece as in generation: where the gate
 member's top probability is above the threshold, the piece's probability is the gate's alone;
 elsewhere the group's combination. ``Likelihood.ensembled`` counts the latter.
+
+Two ways to compute it, with the same definition:
+
+- **one forward** (default when every member that decides runs in this process): the members'
+  re-synchronised ids before each piece depend only on the continuation's bytes, never on the
+  members' outputs, so they are worked out first (``Sequence.force`` without a forward). Each
+  member then feeds them in as few chunked forwards as possible, keeping the logits of exactly the
+  positions a piece is scored from (``Member.logprobs_at``): one forward per run of pieces along
+  which its ids only grow; a member whose token straddled a piece boundary and is re-tokenised
+  starts a new run from the common prefix (the cache is cropped there, as in the stepwise path).
+- **stepwise** (``stepwise=True``, and always for members that run elsewhere): piece by piece,
+  every member forwards the ids added since the last piece, the same lockstep as generation.
+
+Both feed every member the same ids at the same positions; they differ only in how the ids are
+cut into forward calls. Where a backend's numbers do not depend on that (transformers; llama.cpp
+for some quantisation types) they agree to float rounding; docs/evaluation.md gives what was
+measured where they do not.
 """
 
 from __future__ import annotations
@@ -20,8 +37,12 @@ import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import torch
+
 from tokenfuse.engine.decide import Decider
+from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Sequence
+from tokenfuse.members.base import LocalMember, Member, SeqState
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,8 @@ class Likelihood:
     pieces: int
     bytes: int
     ensembled: int = 0  # pieces scored by more than one member (fewer than ``pieces`` when gated)
+    piece_logprobs: tuple[float, ...] = ()  # each piece's log-probability, in order (they sum to ``logprob``)
+    piece_bytes: tuple[bytes, ...] = ()  # each piece's bytes (they concatenate to the continuation)
 
     @property
     def per_byte(self) -> float:
@@ -46,11 +69,27 @@ def primary_pieces(decider: Decider, text: str) -> list[int]:
     return [int(decider.space.union.maps[i][t]) for t in ids]
 
 
-def score(decider: Decider, seqs: list[Sequence], continuations: Seq[str]) -> list[Likelihood]:
+def score(decider: Decider, seqs: list[Sequence], continuations: Seq[str], *,
+          stepwise: bool = False) -> list[Likelihood]:
     """The likelihood of each continuation after its sequence's context (``seqs``, freshly opened;
-    the caller closes them)."""
+    the caller closes them). ``stepwise`` forces the piece-by-piece path (the reference)."""
     cuts = [primary_pieces(decider, c) for c in continuations]
-    totals, ensembled = [0.0] * len(seqs), [0] * len(seqs)
+    local = all(isinstance(decider.members[i], LocalMember) for i in decider.computed())
+    scorer = _one_forward if local and not stepwise else _stepwise
+    per_piece, ensembled = scorer(decider, seqs, cuts)
+    union = decider.space.union
+    return [Likelihood(math.fsum(lps), len(c), len(cont.encode("utf-8")), e, tuple(lps),
+                       tuple(union.pieces[u] for u in c))
+            for lps, c, e, cont in zip(per_piece, cuts, ensembled, continuations)]
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else float("-inf")
+
+
+def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]]) -> tuple[list[list[float]], list[int]]:
+    per_piece: list[list[float]] = [[] for _ in seqs]
+    ensembled = [0] * len(seqs)
     for j in range(max((len(c) for c in cuts), default=0)):
         rows = [k for k in range(len(seqs)) if j < len(cuts[k])]
         active = [seqs[k] for k in rows]
@@ -66,7 +105,82 @@ def score(decider: Decider, seqs: list[Sequence], continuations: Seq[str]) -> li
                 ensembled[rows[r]] += len(members) > 1
         with decider.timer.stage("resync"):
             for k, s, u, p in zip(rows, active, entries, probs):
-                totals[k] += math.log(p) if p > 0 else float("-inf")
+                per_piece[k].append(_log(p))
                 s.force(u)
-    return [Likelihood(lp, len(c), len(cont.encode("utf-8")), e)
-            for lp, c, e, cont in zip(totals, cuts, ensembled, continuations)]
+    return per_piece, ensembled
+
+
+def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]]) -> tuple[list[list[float]], list[int]]:
+    computed = decider.computed()
+    # 1. every member's ids before each piece (re-sync needs the bytes only, not the members' outputs)
+    before: list[dict[int, list[list[int]]]] = [{i: [] for i in computed} for _ in seqs]
+    with decider.timer.stage("resync"):
+        for s, cut, ids in zip(seqs, cuts, before):
+            for u in cut:
+                for i in computed:
+                    ids[i].append(s.states[i].all_ids())
+                s.force(u)
+    # 2. each member's log-probabilities before every piece, in as few forwards as its ids allow
+    with decider.timer.stage("forward"):
+        dists = decider.pool.run(computed, lambda i: [positions(decider.members[i], s.states[i], ids[i])
+                                                      for s, ids in zip(seqs, before)])
+    # 3. the pieces' probabilities, piece by piece as in the stepwise path
+    topk = decider.combiner.k if decider.combiner.needs == "topk" else 0
+    per_piece: list[list[float]] = [[] for _ in seqs]
+    ensembled = [0] * len(seqs)
+    for j in range(max((len(c) for c in cuts), default=0)):
+        rows = [k for k in range(len(seqs)) if j < len(cuts[k])]
+        lps = {i: torch.stack([dists[i][k][j] for k in rows]) for i in computed}
+        outs = {i: MemberOutput(topk=torch.topk(lp, min(topk, lp.shape[-1]), dim=-1)) if topk else MemberOutput(logprobs=lp)
+                for i, lp in lps.items()}
+        probs = [0.0] * len(rows)
+        for group, members in decider.split(outs.get(decider.gate), len(rows)):
+            pick = torch.tensor(group)
+            states = {i: [SeqState(prompt_ids=[], logprobs=lps[i][r]) for r in group] for i in members}
+            view = decider.states_view(states, members, outs, pick)
+            with decider.timer.stage("combine"):
+                got = decider.combiner.piece_probs(view, [cuts[rows[r]][j] for r in group]).tolist()
+            for r, p in zip(group, got):
+                probs[r] = p
+                ensembled[rows[r]] += len(members) > 1
+        for k, p in zip(rows, probs):
+            per_piece[k].append(_log(p))
+    return per_piece, ensembled
+
+
+def positions(member: Member, final: SeqState, before: list[list[int]]) -> list[torch.Tensor]:
+    """``member``'s next-token log-probabilities after each id list in ``before`` (its ids before
+    each piece, in order), computed on ``final`` (the sequence's state after the last piece, whose
+    cache the forwards use and keep): one ``logprobs_at`` per run of lists that only grow."""
+    out: list[torch.Tensor] = []
+    j = 0
+    while j < len(before):
+        end = j + 1  # the run: lists j .. end-1, each a prefix of the next
+        while end < len(before) and _is_prefix(before[end - 1], before[end]):
+            end += 1
+        last = before[end - 1]
+        # feed ``last`` (plus nothing more): the state's ids become it, the cache keeps the common prefix
+        final.n_valid = min(final.n_valid, _common(final.all_ids()[: final.n_valid], last), len(before[j]) - 1)
+        _set_ids(final, last)
+        out.extend(member.logprobs_at(final, [len(ids) for ids in before[j:end]]))
+        j = end
+    return out
+
+
+def _is_prefix(a: list[int], b: list[int]) -> bool:
+    return len(a) < len(b) and b[: len(a)] == a
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _set_ids(st: SeqState, ids: list[int]) -> None:
+    """Point a state at ``ids`` (prompt ids first, which never change)."""
+    st.ids = ids[len(st.prompt_ids):]
+    st.logprobs = None

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -14,6 +15,7 @@ import torch
 from tokenfuse.members.base import Member, SeqState
 
 log = logging.getLogger("tokenfuse.engine")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,16 @@ class MemberPool:
                 topk: int = 0) -> dict[int, MemberOutput]:
         """Members ``which`` on their states (``states[i]``: member ``i``'s state of every row):
         their full log-probabilities, or with ``topk > 0`` their top-k."""
+        return self.run(which, lambda i: self._one(i, states[i], topk))
+
+    def run(self, which: Sequence[int], work: Callable[[int], T]) -> dict[int, T]:
+        """``work(i)`` for each member ``i`` in ``which`` (each in its own thread when parallel); returns
+        only when every one has finished, even if one raised."""
         if not which:
             return {}
         if self._threads is None or len(which) == 1:
-            return {i: self._one(i, states[i], topk) for i in which}
-        futures = {i: self._threads.submit(self._one, i, states[i], topk) for i in which}
+            return {i: work(i) for i in which}
+        futures = {i: self._threads.submit(work, i) for i in which}
         wait(futures.values())  # all finished (even when one raises) before anyone touches the states
         return {i: f.result() for i, f in futures.items()}
 

@@ -28,9 +28,10 @@ def choose(probs: torch.Tensor, sampling: Sampling, generator: torch.Generator |
     sharpens by ``1/temperature``, keeps the ``top_k`` most likely and the smallest set whose mass
     reaches ``top_p``, and draws with the sequence's own seeded generator.
     """
-    if sampling.greedy:
+    if sampling.greedy or sampling.temperature < torch.finfo(probs.dtype).tiny:  # (the dtype's 0: its limit)
         return int(torch.argmax(probs))
-    logits = torch.log(probs.clamp_min(1e-30)) / sampling.temperature
+    logp = torch.log(probs.clamp_min(1e-30))
+    logits = (logp - logp.max()) / sampling.temperature  # the top stays 0: no inf/nan at a tiny temperature
     logits = torch.where(probs > 0, logits, torch.full_like(logits, float("-inf")))
     if sampling.top_k > 0:
         k = min(sampling.top_k, logits.numel())
@@ -40,6 +41,7 @@ def choose(probs: torch.Tensor, sampling: Sampling, generator: torch.Generator |
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= sampling.top_p  # keep the first that crosses
+        drop[0] = False  # and always the most likely (a top_p the dtype rounds to 0 keeps it alone)
         sorted_logits[drop] = float("-inf")
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
     p = torch.softmax(logits, dim=-1)

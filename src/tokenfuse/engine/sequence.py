@@ -3,7 +3,8 @@
 The output is the one truth: a step appends a chosen piece of bytes (``apply``), checks END, the
 stop strings and the length limit, and re-synchronises every member's ids on the new output.
 ``take_text`` is the one place output becomes text for a reader: never a split UTF-8 character,
-never part of a stop string that may still complete.
+never part of a stop string that may still complete. A traced sequence (``trace``) hands its text
+out as trace steps instead (``take_steps``), under the same rules.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tokenfuse.alignment.union import END
 from tokenfuse.engine.decision import Decision
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sync import append_token, in_step, incomplete_tail, resync
+from tokenfuse.engine.trace import Trace, TraceStep
 from tokenfuse.members.base import SeqState
 
 
@@ -46,6 +48,8 @@ class Generation:
         finish_reason: ``end`` (END chosen), ``stop`` (a stop string, trimmed) or ``length``.
         member_ids: each member's output ids at the end (they decode to ``output``).
         timings: seconds per stage for the whole call (shared by a batch).
+        trace: with ``trace=True``, every step (``tokenfuse.engine.trace``); their texts
+            concatenate to ``text``. ``None`` otherwise.
     """
 
     text: str
@@ -56,6 +60,7 @@ class Generation:
     member_ids: dict[str, list[int]]
     timings: dict[str, float] = field(default_factory=dict)
     skipped_steps: int = 0
+    trace: tuple[TraceStep, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -72,6 +77,7 @@ class Sequence:
         output: the output bytes so far; ``steps`` chosen pieces, ``ensembled``/``skipped`` of them
             ensembled / decided by agreement skip.
         finished: ``None`` while running, else ``end``, ``stop``, ``length`` or ``cancelled``.
+        trace: the step trace of a traced sequence (``None``: not traced, nothing recorded).
     """
 
     index: int
@@ -87,6 +93,7 @@ class Sequence:
     ensembled: int = 0
     skipped: int = 0
     finished: str | None = None
+    trace: Trace | None = None
     _emitted: int = 0
 
     # ------------------------------------------------------------------ a step
@@ -94,6 +101,8 @@ class Sequence:
         """Append ``d``'s piece (or finish on END), check stops and the limit, re-sync the members."""
         before = len(self.output)
         piece = self.space.piece(d.entry) if d.entry != END else b""
+        if self.trace is not None and d.trace is not None:
+            self.trace.add(d.trace, before, before + len(piece))
         if d.entry == END:
             self.finished = "end"
         else:
@@ -104,6 +113,8 @@ class Sequence:
             if (cut := find_stop(self.output, self.stops, before)) is not None:
                 del self.output[cut:]
                 self.finished = "stop"
+                if self.trace is not None:
+                    self.trace.cut(cut)
             elif self.steps >= self.max_new_tokens:
                 self.finished = "length"
         if self.finished in (None, "length"):
@@ -138,8 +149,18 @@ class Sequence:
         self._emitted = end
         return text
 
+    def take_steps(self) -> list[TraceStep]:
+        """A traced sequence's steps whose bytes became final since the last call, each with its
+        text (the same rules as ``take_text``; their texts are the text it would have given)."""
+        out = bytes(self.output)
+        steps = self.trace.release(out, None if self.finished else stop_safe_end(out, self.stops))
+        self._emitted = sum(len(s.raw) for s in self.trace.steps)
+        return steps
+
     def result(self, timings: dict[str, float] | None = None) -> Generation:
         out = bytes(self.output)
+        if self.trace is not None:
+            self.trace.release(out, None)
         return Generation(
             text=out.decode("utf-8", errors="replace"),
             output=out,
@@ -149,6 +170,7 @@ class Sequence:
             member_ids={name: list(st.ids) for name, st in zip(self.space.names, self.states)},
             timings=timings or {},
             skipped_steps=self.skipped,
+            trace=tuple(self.trace.steps) if self.trace is not None else None,
         )
 
     # ------------------------------------------------------------------ members
@@ -195,13 +217,18 @@ def rollback(st: SeqState, n: int) -> None:
     st.logprobs = None
 
 
-def safe_end(out: bytes, stops: list[bytes]) -> int:
-    """How much of ``out`` can be shown now: no unfinished character, no partial stop string."""
+def stop_safe_end(out: bytes, stops: list[bytes]) -> int:
+    """How much of ``out`` no stop string can claim any more (a partial stop string at the end may)."""
     end = len(out)
     for st in stops:
         for n in range(min(len(st) - 1, len(out)), 0, -1):
             if out.endswith(st[:n]):
                 end = min(end, len(out) - n)
                 break
-    end -= incomplete_tail(out[:end])
     return end
+
+
+def safe_end(out: bytes, stops: list[bytes]) -> int:
+    """How much of ``out`` can be shown now: no unfinished character, no partial stop string."""
+    end = stop_safe_end(out, stops)
+    return end - incomplete_tail(out[:end])

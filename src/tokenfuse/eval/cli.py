@@ -53,6 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--primary", help="primary member (vote ties, likelihood segmentation)")
     p.add_argument("--gate", dest="eval_gate", help="gate of gac-threshold (default: the config's gate, else the primary member)")
     p.add_argument("--threshold", dest="eval_threshold", type=float, help="threshold of gac-threshold (default: the config's, else 0.5)")
+    p.add_argument("--scoring", choices=("one-forward", "stepwise"),
+                   help="likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.methods import MethodSpec, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.records import append_records, item_file, read_records
+from tokenfuse.progress import progress_bar
 from tokenfuse.tasks import generate_graded, prompt_form
 
 FORMS = ("likelihood", "generate")
@@ -159,13 +160,6 @@ def output_record(spec: MethodSpec, task, item: dict, singles: list[dict], *, pr
 
 
 # ---------------------------------------------------------------------------------------- the run
-def _bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="item", disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
-
-
 def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = False):
     """The ``Ensemble`` of one engine row on the already loaded ``members`` (a ``single:`` row is
     the member alone; any other row the config with the row's overrides, its combiner prepared)."""
@@ -175,7 +169,8 @@ def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = Fal
 
     if spec.name.startswith("single:"):
         member = next(m for m in members if m.name == spec.members[0])
-        return Ensemble.single(member, window=cfg.window, align_cache=cache_dir(cfg.cache_dir) / "alignment")
+        return Ensemble.single(member, window=cfg.window, align_cache=cache_dir(cfg.cache_dir) / "alignment",
+                               scoring=cfg.scoring)
     variant = cfg.with_overrides(**spec.overrides, origin=f"method {spec.name}")
     return ensemble_from_members(variant, members, union=union, progress=progress)
 
@@ -205,9 +200,9 @@ def run_task(cfg, members, union, task, specs: Sequence[MethodSpec],
             bs = settings.batch_size
             if form == "likelihood":  # one item is 2-5 requests
                 bs = max(1, bs // 2)
-            with _bar(len(items), f"{task.name} {spec.name}", settings.progress) as bar:
-                bar.update(len(items) - len(todo))
-                correct, n, t0 = sum(r["correct"] for r in done.values()), len(done), time.perf_counter()
+            with progress_bar(total=len(items), desc=f"eval {task.name} {spec.name}", unit="item",
+                              enabled=settings.progress, initial=len(items) - len(todo)) as bar:
+                correct, n = sum(r["correct"] for r in done.values()), len(done)
                 for start in range(0, len(todo), bs):
                     batch = todo[start:start + bs]
                     if form == "generate":
@@ -221,8 +216,7 @@ def run_task(cfg, members, union, task, specs: Sequence[MethodSpec],
                         done[str(r["id"])] = r
                     correct += sum(r["correct"] for r in new)
                     n += len(new)
-                    rate = (start + len(batch)) / max(time.perf_counter() - t0, 1e-9) * 60
-                    bar.set_postfix_str(f"acc={correct / n:.3f}, {rate:.1f} items/min", refresh=False)
+                    bar.set_postfix_str(f"acc={correct / n:.3f}", refresh=False)
                     bar.update(len(batch))
             del ens
             gc.collect()

@@ -195,6 +195,24 @@ class LocalMember(Member):
     def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
         return kept_logprobs(states, ids)
 
+    def logprobs_at(self, st: SeqState, ends: Sequence[int]) -> torch.Tensor:
+        """Next-token log-probabilities after the first ``L`` ids of ``st.all_ids()`` for each ``L`` in
+        ``ends`` (increasing, each ``> st.n_valid`` and ``<= st.length``): ``float32[len(ends), V]``.
+
+        The backend feeds every pending id in one chunked forward that keeps the logits of those
+        positions (``_forward_at``); the cache then holds the whole sequence. The numbers are those
+        of feeding the ids piece by piece wherever the backend's kernels do not depend on how a
+        sequence is split into calls (see docs/evaluation.md, "One-forward scoring").
+        """
+        ends = list(ends)
+        if not ends or ends != sorted(ends) or ends[0] <= st.n_valid or ends[-1] > st.length:
+            raise ValueError(f"logprobs_at: ends {ends} must increase within ({st.n_valid}, {st.length}]")
+        rows = self._forward_at(st, ends)
+        st.n_valid = st.length
+        if ends[-1] == st.length:
+            st.logprobs, st.logprobs_len = rows[-1], st.length
+        return torch.stack(rows)
+
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Forward the states that need it; by default one chunked forward each."""
         return [self._forward(st) for st in states]
@@ -202,6 +220,22 @@ class LocalMember(Member):
     @abstractmethod
     def _forward(self, state: SeqState) -> torch.Tensor:
         """Crop the cache to ``state.n_valid``, feed the rest, return ``float32[V]`` log-probs."""
+
+    def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
+        """``logprobs_at``'s rows. By default one ``_forward`` per position (a backend that can keep
+        several positions' logits in one forward overrides this)."""
+        prompt, ids, full = st.prompt_ids, st.ids, st.all_ids()
+        rows = []
+        try:
+            for n in ends:
+                st.prompt_ids, st.ids = full[:n], []
+                rows.append(self._forward_batch([st])[0])
+                st.n_valid = n
+        finally:
+            st.prompt_ids, st.ids = prompt, ids
+        if ends[-1] < len(full):  # feed the rest too: the cache holds the whole sequence afterwards
+            self._forward_batch([st])
+        return rows
 
 
 def kept_logprobs(states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:

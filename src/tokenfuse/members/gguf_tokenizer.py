@@ -44,6 +44,7 @@ from tokenfuse.bundled import BUNDLED, mark_tokenizer
 from tokenfuse.errors import ModelLoadError
 from tokenfuse.members.codec import byte_decoder
 from tokenfuse.paths import cache_dir
+from tokenfuse.progress import progress_bar
 
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType values
 VERY_LARGE_INTEGER = int(1e30)  # transformers' model_max_length for "no limit"
@@ -353,8 +354,8 @@ def ensure_tokenizer(name: str, *, root: str | os.PathLike | None = None, progre
 
     A drop-in for ``ensure_converted(name, root=root, model=False, progress=progress)``: same
     directory, same files, same cache mark (with ``TOKENIZER_VERSION``, so older caches are rebuilt),
-    about a second instead of half a minute. ``progress`` only mirrors that call: the build logs one
-    line instead of drawing a bar.
+    about a second instead of half a minute. ``progress``: the build is one step of
+    ``tokenfuse.progress.progress_bar`` (a bar on a terminal, else one line when done).
     """
     entry = BUNDLED[name]
     root = cache_dir(root)
@@ -363,7 +364,9 @@ def ensure_tokenizer(name: str, *, root: str | os.PathLike | None = None, progre
         return out
     entry.require()
     gguf = entry.gguf_path(root)
-    seconds = write_tokenizer(gguf, out)
+    with progress_bar(total=1, desc=f"building the {name} tokenizer", unit="step", enabled=progress) as bar:
+        seconds = write_tokenizer(gguf, out)
+        bar.update(1)
     mark_tokenizer(out, gguf, seconds, builder="gguf")
     log.info("built the %s tokenizer from its GGUF in %.2f s", name, seconds)
     return out

@@ -10,8 +10,15 @@ weights), so a sequence's numbers never depend on what else is in the batch. ``m
 instead puts up to N sequences in one context and decodes all their new tokens in one llama.cpp
 batch: faster for batches, but llama.cpp's batched kernels make the results depend on the batch's
 composition, so batch and one-by-one outputs can differ; it is off by default. Rollback removes cached positions past the common prefix
-(``llama_memory_seq_rm``); only the last position's logits are requested. Sliding-window layers
+(``llama_memory_seq_rm``); logits are requested only for the positions asked for (the last one
+when stepping, several for one-forward scoring). Sliding-window layers
 (Gemma-3) keep their full cache (``swa_full``) so any rollback is possible.
+
+Flash attention is on: with it, attention gives the same numbers however a sequence is cut into
+decode calls (without it, a one-token call takes another kernel than a longer one). The weight
+matrices of some quantisation types (Q4_K/Q6_K/Q5_0, as in the bundled Gemma-3 and Qwen files)
+still do not: llama.cpp computes batches of fewer than 8 tokens by other kernels than longer
+ones (``scripts/measure_split.py``; docs/evaluation.md, "One-forward scoring").
 """
 
 from __future__ import annotations
@@ -133,12 +140,33 @@ class LlamaCppMember(LocalMember):
             with _LOAD_LOCK:
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                  n_threads=n_threads or max(1, os.cpu_count() or 1), logits_all=False,
-                                 swa_full=True, verbose=False)
+                                 swa_full=True, flash_attn=True, verbose=False)
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
+        self._init_state(prefix_cache=prefix_cache, multi_seq=multi_seq, n_ctx=n_ctx)
+        self._free = [self._new_slot(self.llm._ctx)]  # pooled contexts, least recently used first
+        eos = [self.llm.token_eos()]
+        eot = self._lib.llama_vocab_eot(self.llm._model.vocab)
+        if eot >= 0:
+            eos.append(eot)
+        self.codec = load_or_build_codec(tokenizer, vocab_size=self.n_vocab, extra_end_ids=eos,
+                                         extra_special_ids=self._control_ids(), content_hash=content_hash,
+                                         cache=align_cache)
+
+    @classmethod
+    def sharing(cls, other: LlamaCppMember, name: str, *, weight: float = 1.0) -> LlamaCppMember:
+        """A member on ``other``'s loaded model (a self-ensemble's copy): the weights, tokenizer and
+        byte tables are shared, the contexts (and so every KV cache) are its own."""
+        m = cls.__new__(cls)
+        m.name, m.tokenizer, m.weight, m.path, m.n_batch = name, other.tokenizer, float(weight), other.path, other.n_batch
+        m.llm, m._lib, m.codec = other.llm, other._lib, other.codec
+        m._init_state(prefix_cache=other.prefix_cache, multi_seq=other.multi_seq, n_ctx=other.context_length)
+        return m
+
+    def _init_state(self, *, prefix_cache: bool, multi_seq: int, n_ctx: int) -> None:
         self.n_vocab = self.llm.n_vocab()
-        self._free: list[_Slot] = [self._new_slot(self.llm._ctx)]  # pooled contexts, least recently used first
+        self._free: list[_Slot] = []  # pooled contexts, least recently used first
         self._busy: list[_Slot] = []
         self.prefix_cache = prefix_cache
         self.prefix_stats = {"sequences": 0, "reused": 0, "copied": 0, "fed": 0}
@@ -148,13 +176,6 @@ class LlamaCppMember(LocalMember):
         self._multi: _Slot | None = None
         self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
         self.context_length = n_ctx
-        eos = [self.llm.token_eos()]
-        eot = self._lib.llama_vocab_eot(self.llm._model.vocab)
-        if eot >= 0:
-            eos.append(eot)
-        self.codec = load_or_build_codec(tokenizer, vocab_size=self.n_vocab, extra_end_ids=eos,
-                                         extra_special_ids=self._control_ids(), content_hash=content_hash,
-                                         cache=align_cache)
 
     def _control_ids(self) -> list[int]:
         """Ids the GGUF marks as control / unused / unknown: not text, whatever their spelling."""
@@ -230,11 +251,11 @@ class LlamaCppMember(LocalMember):
             queue = rest
         return [out[id(st)] for st in states]
 
-    def _acquire(self, st: SeqState) -> _Slot:
+    def _acquire(self, st: SeqState, limit: int) -> _Slot:
         """A context for a new sequence; with ``prefix_cache``, the one whose cache shares the longest
-        prefix with the sequence's ids (a pooled context as is, or a live one's cache copied)."""
+        prefix (of at most ``limit`` ids: the first position whose logits are wanted is fed) with
+        the sequence's ids (a pooled context as is, or a live one's cache copied)."""
         ids = st.all_ids()
-        limit = len(ids) - 1  # at least one id is fed, for the logits
         self.prefix_stats["sequences"] += 1
         slot, reuse = None, 0  # the forward crops the cache to ``reuse`` ids and feeds the rest
         if self.prefix_cache:
@@ -276,9 +297,17 @@ class LlamaCppMember(LocalMember):
         return ok
 
     def _forward(self, st: SeqState) -> torch.Tensor:
+        return self._feed(st, [st.length])[0]
+
+    def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
+        return super()._forward_at(st, ends) if self.multi_seq else self._feed(st, ends)
+
+    def _feed(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
+        """Crop the cache to ``n_valid`` and feed the rest in batches of ``n_batch`` ids, asking
+        llama.cpp for the logits of the positions in ``ends`` only."""
         slot: _Slot = st.cache
         if slot is None:
-            slot = st.cache = self._acquire(st)
+            slot = st.cache = self._acquire(st, ends[0] - 1)
         if slot.n > st.n_valid:
             if not slot.ctx.kv_cache_seq_rm(0, st.n_valid, -1):  # cannot cut here: start over
                 slot.ctx.kv_cache_seq_rm(0, 0, -1)
@@ -286,17 +315,20 @@ class LlamaCppMember(LocalMember):
             slot.n = st.n_valid
         new = st.all_ids()[st.n_valid :]
         self.prefix_stats["fed"] += len(new)
+        want = {n - 1 for n in ends}  # positions whose next-token logits are asked for
+        rows: dict[int, torch.Tensor] = {}
         for i in range(0, len(new), self.n_batch):
             chunk = new[i : i + self.n_batch]
             b = slot.batch.batch
             for j, tok in enumerate(chunk):
                 _put(b, j, tok, slot.n + j, 0)
-            b.logits[len(chunk) - 1] = True  # only the last position's logits are needed
+                b.logits[j] = slot.n + j in want
             b.n_tokens = len(chunk)
             slot.ctx.decode(slot.batch)
+            rows.update((slot.n + j, self._logprobs(slot.ctx, j)) for j in range(len(chunk)) if slot.n + j in want)
             slot.n += len(chunk)
         st.n_valid = slot.n  # already now, so a sequence acquired later in this batch can copy it
-        return self._logprobs(slot.ctx, len(chunk) - 1)
+        return [rows[n - 1] for n in ends]
 
     def _logprobs(self, ctx: Any, i: int) -> torch.Tensor:
         """Log-softmax of the logits llama.cpp kept for batch position ``i``."""

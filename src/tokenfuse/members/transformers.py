@@ -45,8 +45,13 @@ class TransformersMember(LocalMember):
         """The model's own input-embedding weight (never copied)."""
         return EmbeddingRows(tensor=self.model.get_input_embeddings().weight)
 
-    @torch.inference_mode()
     def _forward(self, st: SeqState) -> torch.Tensor:
+        return self._forward_at(st, [st.length])[0]
+
+    @torch.inference_mode()
+    def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
+        """Crop the cache to ``n_valid``, feed the rest in one forward, keep the logits from the first
+        wanted position on."""
         from transformers import DynamicCache
 
         if st.cache is None:
@@ -57,8 +62,11 @@ class TransformersMember(LocalMember):
             st.cache.crop(st.n_valid - cached)  # a negative count removes that many positions
         new = st.all_ids()[st.n_valid :]
         ids = torch.tensor([new], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=st.cache, use_cache=True, logits_to_keep=1)
-        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
+        keep = st.length - ends[0] + 1  # logits of positions ends[0] - 1 .. length - 1
+        out = self.model(input_ids=ids, past_key_values=st.cache, use_cache=True, logits_to_keep=keep)
+        logits = out.logits[0].float()
+        first = st.length - keep
+        return [torch.log_softmax(logits[n - 1 - first], dim=-1).cpu() for n in ends]
 
 
 def load_transformers_member(

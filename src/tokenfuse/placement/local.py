@@ -1,17 +1,21 @@
 """In-process members (``placement: local``): which backend a member config gets, and loading it.
 
 A Ray actor loads its member with the same ``load_member`` (``tokenfuse.placement.ray``).
+Members whose configs differ only in name, weight and score (a self-ensemble, ``--models x,x``)
+load the model once: ``shared_with`` says which, ``share_member`` makes the copies.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from difflib import get_close_matches
 from pathlib import Path
 
 from tokenfuse.bundled import BUNDLED, ensure_converted
 from tokenfuse.config import MemberConfig
 from tokenfuse.errors import ConfigError
+from tokenfuse.logs import route_transformers_logs
 from tokenfuse.members.base import Member
 from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
 from tokenfuse.paths import cache_dir
@@ -53,10 +57,44 @@ def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool =
     return member
 
 
+# what a member's own copy may differ in from the member whose loaded model it shares
+_OWN = {"name", "weight", "score"}
+
+
+def shared_with(cfgs: Sequence[MemberConfig]) -> list[int]:
+    """For each member, the index of the first member with the same model and load settings (its
+    config equal but for name, weight and score): the one whose loaded model it shares, itself
+    when none comes before it. Remote members (``backend: openai``) are never shared."""
+    keys = [None if c.backend == "openai" else c.model_dump(exclude=_OWN) | {"source": c.resolved_source}
+            for c in cfgs]
+    return [next((j for j in range(i) if key is not None and keys[j] == key), i) for i, key in enumerate(keys)]
+
+
+def share_member(first: Member, cfg: MemberConfig, *, root: Path | None = None, index: int = 0) -> Member:
+    """A member named ``cfg.name`` (its weight and score) running ``first``'s loaded model: the
+    weights (a transformers model object, a llama.cpp model) and tokenizer are shared, each
+    sequence keeps its own cache. Other backends load it again."""
+    from tokenfuse.members.llamacpp import LlamaCppMember
+    from tokenfuse.members.transformers import TransformersMember
+
+    root = cache_dir(root)
+    if isinstance(first, TransformersMember):
+        member = TransformersMember(cfg.name, first.model, first.tokenizer, weight=cfg.weight,
+                                    align_cache=root / "alignment")
+    elif isinstance(first, LlamaCppMember):
+        member = LlamaCppMember.sharing(first, cfg.name, weight=cfg.weight)
+    else:
+        member = _load(cfg, root=root, progress=False, index=index)
+    member.score = cfg.score
+    return member
+
+
 def _load(cfg: MemberConfig, *, root: Path, progress: bool, index: int) -> Member:
     source = cfg.resolved_source
     backend = resolve_backend(cfg)
     check_source(cfg, index)
+    if needs_transformers(cfg, root):
+        route_transformers_logs()
     if backend == "openai":
         from tokenfuse.members.remote import load_remote_member
 

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API: ``create_app(ensemble, settings)`` (tests run it in-process).
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health`` (``routes/``). Streaming answers are Server-Sent Events in OpenAI's chunk format
-ending with ``data: [DONE]``. Generation runs on the scheduler thread (``scheduler.py``); the HTTP
-layer only validates (``jobs.py``), hands jobs over and turns their updates into responses
-(``serving.py``, ``responses.py``). This module assembles the app: its shared state, error
+``GET /health`` (``routes/``), and the web playground at ``/`` (``routes/playground.py``).
+Streaming answers are Server-Sent Events in OpenAI's chunk format ending with ``data: [DONE]``.
+Generation runs on the scheduler thread (``scheduler.py``); the HTTP layer only validates
+(``jobs.py``), hands jobs over and turns their updates into responses (``serving.py``,
+``responses.py``). This module assembles the app: its shared state, error
 handlers, body limit, routers and the scheduler's lifetime.
 """
 
@@ -20,7 +21,7 @@ from fastapi import FastAPI
 from tokenfuse.config import EnsembleConfig
 from tokenfuse.engine import Ensemble
 from tokenfuse.server.errors import APIError, RequestTooLarge, add_exception_handlers
-from tokenfuse.server.routes import ROUTERS
+from tokenfuse.server.routes import ROUTERS, playground
 from tokenfuse.server.ensembles import EnsemblePool, config_of
 from tokenfuse.server.scheduler import Scheduler
 from tokenfuse.server.state import ServerSettings, ServerState
@@ -44,6 +45,8 @@ def create_app(ensemble: Ensemble, *, config: EnsembleConfig | None = None,
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(playground.router)  # the web playground at / (no key needed for the page itself)
+    app.mount("/playground", playground.static_files(), name="playground")
     return app
 
 

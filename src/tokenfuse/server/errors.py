@@ -13,6 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenfuse.errors import ConfigError, ModelLoadError, TokenfuseError
@@ -39,18 +40,33 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (the routes declare it for their 4xx in the OpenAPI schema)."""
+
+    error: ErrorObject
+
+
 class BadRequest(APIError):
     """A well-formed request this server cannot serve (an unsupported value, bad options)."""
+
+    code = "invalid_value"
 
 
 class ContextLengthExceeded(BadRequest):
     code = "context_length_exceeded"
 
 
-class InvalidRequestBody(APIError):
-    """The body does not match the request schema (FastAPI's validation errors, re-shaped)."""
-
-    status = 422
+class InvalidRequestBody(BadRequest):
+    """The body is not JSON or does not match the request schema (FastAPI's validation errors,
+    re-shaped): 400, as OpenAI and vLLM answer, with ``param`` the field path and ``code`` one of
+    ``VALIDATION_CODES``."""
 
 
 class Unauthorized(APIError):
@@ -128,26 +144,104 @@ async def _api_error(_req: Request, err: APIError) -> JSONResponse:
     return _respond(err)
 
 
+# The ``code`` of a body that does not match the request schema (docs/serving.md, "Errors").
+VALIDATION_CODES = {
+    "invalid_json": "the body is not valid JSON (or not a JSON object)",
+    "missing": "a required field is missing (or null where a value is needed)",
+    "invalid_type": "a field has the wrong type (a string for a number, an object for a list, ...)",
+    "invalid_value": "a field has the right type but a value out of range or not among the allowed ones",
+    "unknown_parameter": "a field that this object does not have (in the strict `tokenfuse` options)",
+}
+
+
+def validation_code(error_type: str) -> str:
+    """The ``code`` (``VALIDATION_CODES``) of one pydantic error type."""
+    if error_type in ("missing", "union_tag_not_found"):
+        return "missing"
+    if error_type == "extra_forbidden":
+        return "unknown_parameter"
+    if error_type in ("json_invalid", "json_type"):
+        return "invalid_json"
+    if error_type.endswith(("_type", "_parsing")) or error_type in ("int_from_float", "is_instance_of",
+                                                                   "string_unicode"):
+        return "invalid_type"
+    return "invalid_value"
+
+
 async def _invalid_body(_req: Request, err: RequestValidationError) -> JSONResponse:
-    """FastAPI's validation errors: 400 ``invalid_json`` for a body that is not JSON, else 422
-    naming the first bad field (``param``) and up to five in the message."""
+    """FastAPI's validation errors as one 400: ``param`` the first bad field's path
+    (``messages.0.content``), ``code`` from ``validation_code``, and up to five fields in the message."""
     errors = err.errors()
-    first = errors[0] if errors else {}
+    body = getattr(err, "body", None)
+    if not errors:
+        return _respond(InvalidRequestBody("the body does not match the request schema"))
+    first = errors[0]
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        return _respond(BadRequest(f"the body is not valid JSON: {detail}".strip(), code="invalid_json"))
-    msgs = [f"{_where(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5]]
-    return _respond(InvalidRequestBody("; ".join(msgs), param=_where(first) or None, code="invalid_value"))
+        return _respond(InvalidRequestBody(f"the body is not valid JSON: {detail}".strip(), code="invalid_json"))
+    if not isinstance(body, dict) and tuple(first.get("loc", ()))[:1] == ("body",):
+        if body is None:
+            return _respond(InvalidRequestBody("the body is missing: send a JSON object", code="missing"))
+        return _respond(InvalidRequestBody(f"the body must be a JSON object, got {_json_kind(body)}",
+                                           code="invalid_json"))
+    located = [(_where(e, body), e) for e in errors]
+    # the first bad field; of a union's branches, the one that got deepest into the value sent
+    # (``content: [{"text": "a"}]`` is about ``messages.0.content.0.type``, not "not a string")
+    head = located[0][0]
+    param, chosen = max((w for w in located if w[0] == head or w[0].startswith(head + ".")),
+                        key=lambda w: len(w[0].split(".")))
+    by_param: dict[str, list[str]] = {param: []}
+    for where, e in located:
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        if msg not in by_param.setdefault(where, []):
+            by_param[where].append(msg)
+    parts = [f"{where or 'body'}: {_alternatives(msgs)}" for where, msgs in list(by_param.items())[:5]]
+    return _respond(InvalidRequestBody("; ".join(parts), param=param or None,
+                                       code=validation_code(str(chosen.get("type", "")))))
 
 
-def _where(error: dict) -> str:
-    """A validation error's field path (``tokenfuse.colour``), without FastAPI's ``body`` prefix."""
-    return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+def _alternatives(msgs: list[str]) -> str:
+    """A union's errors as one phrase: ``Input should be a valid string or a valid list``."""
+    rest = [m.removeprefix("Input should be ") for m in msgs[1:]]
+    return " or ".join([msgs[0], *rest])
+
+
+def _json_kind(value: object) -> str:
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array"}.get(type(value), type(value).__name__)
+
+
+def _where(error: dict, body: object) -> str:
+    """A validation error's field path in the request body (``messages.0.content``).
+
+    The path follows the error's ``loc`` through the body; the labels pydantic adds for the
+    branches of a union (``prompt.str``, ``content.list[ContentPart]``) are not in the body and are
+    left out, and a missing field's name ends the path.
+    """
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    path: list[str] = []
+    cur = body
+    for i, part in enumerate(loc):
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            cur = cur[part]
+        elif i + 1 < len(loc):
+            continue  # a union branch's label
+        elif error.get("type") in ("missing", "extra_forbidden"):
+            pass  # the missing field itself
+        else:
+            break
+        path.append(str(part))
+    return ".".join(path)
 
 
 async def _http_error(req: Request, err: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (no route, wrong method) in OpenAI's error shape, status kept."""
-    api = NotFound(f"no route {req.method} {req.url.path}") if err.status_code == 404 else APIError(str(err.detail))
+    api = NotFound(f"no route {req.method} {req.url.path}") if err.status_code == 404 else \
+        APIError(str(err.detail), code="method_not_allowed" if err.status_code == 405 else "http_error")
     api.status = err.status_code
     return _respond(api)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from tokenfuse.engine import Ensemble, Prompt, Sequence
 from tokenfuse.engine.sampling import Sampling
+from tokenfuse.engine.trace import TraceOptions, TraceStep
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.server.ensembles import EnsemblePool
 
@@ -41,6 +42,7 @@ class Update:
     error: BaseException | None = None
     info: dict | None = None  # at the end: token counts, steps, skipped members
     opened: bool = False  # the sequence was admitted (its prompt fits): generation starts
+    steps: list[TraceStep] | None = None  # a traced job: the steps of ``text`` (their texts make it up)
 
 
 @dataclass(eq=False)
@@ -56,7 +58,10 @@ class Job:
     options: dict | None
     post: Callable[[Update], None]
     truncate: bool = False
-    # owned by the scheduler thread
+    trace: TraceOptions | None = None  # record the steps (for the trace or log-probabilities)
+    score_prompt: bool = False  # echo + logprobs: score the prompt's pieces (``prompt_logprobs``)
+    # owned by the scheduler thread (``prompt_logprobs`` is set before the ``opened`` update)
+    prompt_logprobs: list[tuple[bytes, float | None]] | None = None
     ens: Ensemble | None = None
     seq: Sequence | None = None
     skipped: set[str] = field(default_factory=set)
@@ -167,13 +172,15 @@ class Scheduler:
                 continue
             self._active.append(job)
             job.post(Update(job.index, opened=True))
+            if job.seq.finished:  # max_tokens 0: nothing to generate
+                self._finish(job, "")
 
     def _open(self, job: Job, down: frozenset[str] = frozenset()) -> None:
         job.ens = self.pool.get(job.options, down)
         prompt = job.prompt
         for _ in range(8):  # left-truncation may need a few rounds (re-tokenised edges)
             seq = job.ens.open(prompt, chat=job.chat, sampling=job.sampling, stop=job.stop,
-                               max_new_tokens=job.max_new_tokens, index=job.index)
+                               max_new_tokens=job.max_new_tokens, index=job.index, trace=job.trace)
             over = self._overflow(job.ens, seq, job.max_new_tokens)
             if over is None:
                 break
@@ -192,6 +199,12 @@ class Scheduler:
                 raise ContextError(f"the prompt cannot be truncated to fit member {name!r}'s context of {ctx}")
         else:
             raise ContextError("the prompt could not be truncated to fit every member's context")
+        if job.score_prompt:
+            try:
+                job.prompt_logprobs = job.ens.prompt_logprobs(prompt)
+            except BaseException:
+                job.ens.close(seq)
+                raise
         job.seq = seq
         self.pool.in_use[id(job.ens)] = self.pool.in_use.get(id(job.ens), 0) + 1
 
@@ -229,24 +242,31 @@ class Scheduler:
             s = j.seq
             if ev.finished is None and self._at_context_end(j):
                 s.finish("length")
-            text = s.take_text()
+            steps = s.take_steps() if s.trace is not None else None
+            text = "".join(st.text for st in steps) if steps is not None else s.take_text()
             if s.finished:
-                g = s.result()
-                info = {
-                    "prompt_tokens": {m.name: len(st.prompt_ids) for m, st in zip(ens.members, s.states)},
-                    "primary": ens.members[ens.primary].name,
-                    "completion_tokens": g.steps,
-                    "ensembled_steps": g.ensembled_steps,
-                    "skipped_steps": g.skipped_steps,
-                    "finish": g.finish_reason,
-                    "unavailable_members": sorted(j.skipped),
-                    "truncated": j.truncated,
-                }
-                j.done = True
-                self._retire(j)
-                j.post(Update(j.index, text, "length" if s.finished == "length" else "stop", info=info))
-            elif text:
-                j.post(Update(j.index, text))
+                self._finish(j, text, steps)
+            elif text or steps:
+                j.post(Update(j.index, text, steps=steps))
+
+    def _finish(self, job: Job, text: str, steps: list[TraceStep] | None = None) -> None:
+        """Retire a finished job and send its last text (and steps) with the summary."""
+        s, ens = job.seq, job.ens
+        g = s.result()
+        info = {
+            "prompt_tokens": {m.name: len(st.prompt_ids) for m, st in zip(ens.members, s.states)},
+            "primary": ens.members[ens.primary].name,
+            "completion_tokens": g.steps,
+            "ensembled_steps": g.ensembled_steps,
+            "skipped_steps": g.skipped_steps,
+            "finish": g.finish_reason,
+            "unavailable_members": sorted(job.skipped),
+            "truncated": job.truncated,
+        }
+        job.done = True
+        self._retire(job)
+        job.post(Update(job.index, text, "length" if s.finished == "length" else "stop", info=info,
+                        steps=steps if steps is not None or s.trace is None else []))
 
     def _at_context_end(self, job: Job) -> bool:
         """A member's cache is (nearly) full: end the sequence as ``length`` rather than overflow it."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
@@ -25,7 +26,8 @@ class TokenfuseOptions(_Strict):
     method's parameters, e.g. ``{"k": 5}``), ``gate`` + ``threshold`` (thresholded GaC),
     ``primary``, ``agreement_skip``, and ``weights`` (a list in member order, or
     ``{"member name": weight}``). Members stay loaded once; each distinct option set gets its own
-    light ``Ensemble`` on them.
+    light ``Ensemble`` on them. ``trace`` (with ``trace_k``, each member's top-k, default 5) asks
+    for the step trace in the response; it does not change the ensemble.
     """
 
     method: str | None = None
@@ -35,9 +37,12 @@ class TokenfuseOptions(_Strict):
     primary: str | None = None
     agreement_skip: bool | None = None
     weights: list[float] | dict[str, float] | None = None
+    trace: bool = False
+    trace_k: int = Field(5, ge=1, le=20)
 
     def as_options(self) -> dict | None:
-        d = self.model_dump(exclude_none=True)
+        """The ensemble options (the trace fields are not any)."""
+        d = self.model_dump(exclude_none=True, exclude={"trace", "trace_k"})
         return d or None
 
 
@@ -49,7 +54,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo (scoring the prompt)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM extra; -1 or 0 = off
@@ -94,14 +99,15 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs:
-            out.append(("logprobs", "log-probabilities of the combined distribution are not returned"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens 0 generates nothing; it is allowed only with echo "
+                                      "(scoring the prompt)"))
         if self.best_of not in (None, 1, self.n):
             out.append(("best_of", "best_of must equal n"))
         if self.suffix:
@@ -120,8 +126,18 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, v: str | list[ContentPart] | None, info: ValidationInfo):
+        """Only an assistant message may go without content (OpenAI's rule); ``null`` is none."""
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing", "a {role} message needs content: a string or a list of text parts",
+                                      {"role": role})
+        return v
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -149,8 +165,10 @@ class ChatCompletionRequest(_Common):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "log-probabilities of the combined distribution are not returned"))
+        if self.requested_max_tokens() == 0:
+            out.append(("max_tokens", "max_tokens 0 generates nothing; use at least 1"))
+        if self.top_logprobs and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools:
             out.append(("tools", "tool calling is not supported"))
         if self.tool_choice not in (None, "none", "auto"):

@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from tokenfuse.server import responses
 from tokenfuse.server.errors import ServerBusy, client_error
 from tokenfuse.server.jobs import check_request, make_jobs
+from tokenfuse.server.logprobs import Asked
 from tokenfuse.server.scheduler import Job, Update, make_poster
 from tokenfuse.server.schemas import ChatCompletionRequest, CompletionRequest
 from tokenfuse.server.state import ServerState
@@ -32,6 +33,9 @@ async def respond(request: Request, state: ServerState, body: CompletionRequest 
     q: asyncio.Queue[Update] = asyncio.Queue()
     jobs = make_jobs(body, prompts, chat=chat, post=make_poster(asyncio.get_running_loop(), q),
                      settings=state.settings, decoding=state.config.decoding)
+    asked = Asked.of(body, chat=chat)
+    for j in jobs:  # what the sequences record beyond their text
+        j.trace, j.score_prompt = asked.trace_options(), asked.score_prompt
     try:
         state.scheduler.submit(jobs)
     except queue.Full:
@@ -43,12 +47,13 @@ async def respond(request: Request, state: ServerState, body: CompletionRequest 
         await updates.admitted(len(jobs), chat=chat)
         if body.stream:
             chunks = responses.Chunks(rid, chat=chat, model=state.settings.model_name, created=int(time.time()),
-                                      include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                      asked=asked)
             streaming = True
             return EventSourceResponse(_stream(state, jobs, updates, chunks, echo=echo), sep="\n", ping=15)
-        texts, finish, infos = await _collect(jobs, updates, chat=chat)
+        texts, finish, infos, steps = await _collect(jobs, updates, chat=chat)
         return JSONResponse(responses.completion(rid, jobs, texts, finish, infos, chat=chat,
-                                                 model=state.settings.model_name, echo=echo))
+                                                 model=state.settings.model_name, echo=echo, steps=steps, asked=asked))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; the sequences are cancelled below
     finally:
@@ -88,9 +93,11 @@ class Updates:
         return await _next(self.request, self.q) if watch else await self.q.get()
 
 
-async def _collect(jobs: list[Job], updates: Updates, *, chat: bool) -> tuple[dict, dict, dict]:
-    """Every job's whole text, finish reason and info (index -> value), once all have finished."""
+async def _collect(jobs: list[Job], updates: Updates, *, chat: bool) -> tuple[dict, dict, dict, dict]:
+    """Every job's whole text, finish reason, info and steps (traced jobs) (index -> value), once
+    all have finished."""
     texts = {j.index: "" for j in jobs}
+    steps: dict[int, list] = {j.index: [] for j in jobs}
     finish: dict[int, str] = {}
     infos: dict[int, dict] = {}
     while len(finish) < len(jobs):
@@ -98,9 +105,10 @@ async def _collect(jobs: list[Job], updates: Updates, *, chat: bool) -> tuple[di
         if u.error is not None:
             raise client_error(u.error, chat=chat)
         texts[u.index] += u.text
+        steps[u.index] += u.steps or []
         if u.finish_reason:
             finish[u.index], infos[u.index] = u.finish_reason, u.info
-    return texts, finish, infos
+    return texts, finish, infos, steps
 
 
 async def _stream(state: ServerState, jobs: list[Job], updates: Updates, chunks: responses.Chunks, *,
@@ -115,7 +123,7 @@ async def _stream(state: ServerState, jobs: list[Job], updates: Updates, chunks:
             if chunks.chat:
                 yield chunks.choice(j.index, role=True)
             elif echo:
-                yield chunks.choice(j.index, responses.echoed(echo, jobs, j.index))
+                yield chunks.echo(j, responses.echoed(echo, jobs, j.index))
         failed = False
         while len(finish) < len(jobs):
             u = await updates.next(watch=False)  # sse-starlette watches for a disconnect and cancels this
@@ -123,8 +131,8 @@ async def _stream(state: ServerState, jobs: list[Job], updates: Updates, chunks:
                 yield json.dumps(client_error(u.error, chat=chunks.chat).body())
                 failed = True
                 break
-            if u.text:
-                yield chunks.choice(u.index, u.text)
+            if u.text or u.steps:
+                yield chunks.choice(u.index, u.text, steps=u.steps)
             if u.finish_reason:
                 finish[u.index], infos[u.index] = u.finish_reason, u.info
                 yield chunks.choice(u.index, None, u.finish_reason)

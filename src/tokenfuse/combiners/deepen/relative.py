@@ -293,10 +293,10 @@ class DeePEn:
 
     def prepare(self, *, progress: bool = True) -> float:
         """Load or build every member's anchor matrix now (otherwise: on first use); returns seconds."""
-        from tqdm.auto import tqdm
+        from tokenfuse.progress import progress_bar
 
         start = time.perf_counter()
-        for mat in tqdm(self.matrices, desc="DeePEn relative matrices", unit="member", disable=not progress):
+        for mat in progress_bar(self.matrices, desc="DeePEn relative matrices", unit="member", enabled=progress):
             mat.prepare(progress=progress)
         self.build_seconds = time.perf_counter() - start
         return self.build_seconds

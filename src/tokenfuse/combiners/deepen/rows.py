@@ -141,11 +141,11 @@ class RelativeRows:
             except DAMAGED:
                 self._anchors = None  # rebuilt below
         if self._anchors is None:
-            from tqdm.auto import tqdm
+            from tokenfuse.progress import progress_bar
 
             out = torch.empty(self.n_anchors, self.source.dim, dtype=torch.float32)
-            with tqdm(total=self.n_anchors, desc=f"anchor embeddings {self.label}".rstrip(), unit="row",
-                      disable=not progress, leave=False) as bar:
+            with progress_bar(total=self.n_anchors, desc=f"anchor embeddings {self.label}".rstrip(), unit="row",
+                              enabled=progress, leave=False) as bar:
                 for s in range(0, self.n_anchors, chunk):
                     ids = self.anchor_ids[s : s + chunk]
                     out[s : s + len(ids)] = torch.nn.functional.normalize(self.source.take(ids), dim=1)
@@ -215,12 +215,12 @@ class RelativeRows:
 
     def prebuild(self, ids: np.ndarray | list[int], *, batch: int = 256, progress: bool = False) -> int:
         """Compute and store the rows ``ids`` not stored yet (at most ``capacity``); returns how many."""
-        from tqdm.auto import tqdm
+        from tokenfuse.progress import progress_bar
 
         todo = [int(i) for i in dict.fromkeys(np.asarray(ids, dtype=np.int64).tolist()) if int(i) not in self._slot]
         todo = todo[: self.capacity]
-        with tqdm(total=len(todo), desc=f"R̂ rows {self.label}".rstrip(), unit="row", disable=not progress,
-                  leave=False) as bar:
+        with progress_bar(total=len(todo), desc=f"R̂ rows {self.label}".rstrip(), unit="row", enabled=progress,
+                          leave=False) as bar:
             for s in range(0, len(todo), batch):
                 chunk = todo[s : s + batch]
                 self.scaled_rows(chunk)

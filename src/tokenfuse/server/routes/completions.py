@@ -6,12 +6,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from tokenfuse.server.errors import ErrorResponse
 from tokenfuse.server.jobs import chat_messages, text_prompts
 from tokenfuse.server.schemas import ChatCompletionRequest, CompletionRequest
 from tokenfuse.server.serving import respond
 from tokenfuse.server.state import StateDep, require_api_key
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+# Every refusal is a 4xx with OpenAI's error body (validation errors too: 400, not FastAPI's 422).
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
+                   responses={"4XX": {"model": ErrorResponse, "description": "OpenAI error object"}})
 
 
 @router.post("/completions")
