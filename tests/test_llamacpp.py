@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenfuse import Ensemble
-from tokenfuse.members.llamacpp import LlamaCppMember
+from tokenfuse.members.llamacpp import BLOCK, LlamaCppMember
 
 pytestmark = pytest.mark.real
 
@@ -14,9 +14,8 @@ N = 16
 # Greedy continuations of the quantised llama.cpp model and of the dequantised fp32 transformers
 # model agree token for token, except where the quantised arithmetic (llama.cpp multiplies Q4
 # blocks directly; transformers multiplies the dequantised fp32 weights) tips a near-tie. Those
-# first points of divergence, measured on this build (llama-cpp-python 0.3.36, CPU, flash attention
-# on; without it SmolLM2's prompt 1 also diverged, at token 13), are pinned:
-DIVERGES_AT = {("qwen", 2): 5}
+# first points of divergence, measured on this build (llama-cpp-python 0.3.36, CPU), are pinned:
+DIVERGES_AT = {("smollm2", 1): 13, ("qwen", 2): 5}
 # After a rollback, the next-token distribution equals a fresh prefill's up to this (probability
 # space, max over the vocabulary) and has the same argmax; measured: 0 / 0.017 / 0.0045.
 ROLLBACK_TOL = 0.05
@@ -83,6 +82,8 @@ def test_llamacpp_ensemble_in_sync_and_batch_equals_single(llamacpp_members, mon
 
 CONTEXT = "Question: Which of these is a mammal? Options: whale, shark, trout, squid.\nAnswer:"
 OPTIONS = [" whale", " shark", " trout", " squid"]
+SHOTS = ("Question: Which of these is a bird? Options: eagle, bat, bee, fly.\nAnswer: eagle\n\n"
+         "Question: Which of these is a fish? Options: cod, seal, crab, frog.\nAnswer: cod\n\n")
 
 
 def _fresh(m, text):
@@ -98,35 +99,64 @@ def _fresh(m, text):
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
 def test_prefix_cache_reuses_a_released_sequences_prefix(llamacpp_members, family):
     m = llamacpp_members[family]
-    first = m.new_state(m.encode_prompt(CONTEXT + OPTIONS[0]))
+    first = m.new_state(m.encode_prompt(SHOTS + CONTEXT + OPTIONS[0]))
     m.next_logprobs([first])
     m.release(first)
-    ids = m.encode_prompt(CONTEXT + OPTIONS[1])
+    ids = m.encode_prompt(SHOTS + CONTEXT + OPTIONS[1])
     shared = next(i for i, (a, b) in enumerate(zip(first.all_ids(), ids)) if a != b)
     before = dict(m.prefix_stats)
     st = m.new_state(ids)
     reused = m.next_logprobs([st])[0]
     m.release(st)
+    reuse = min(shared, len(ids) - BLOCK) // BLOCK * BLOCK  # whole blocks, at least one block fed
+    assert reuse >= 16
     assert m.prefix_stats["reused"] == before["reused"] + 1
-    assert m.prefix_stats["fed"] - before["fed"] == len(ids) - shared  # only the differing tail is fed
-    fresh = _fresh(m, CONTEXT + OPTIONS[1])
-    assert (reused.exp() - fresh.exp()).abs().max().item() <= ROLLBACK_TOL
-    assert int(reused.argmax()) == int(fresh.argmax())
+    assert m.prefix_stats["fed"] - before["fed"] == len(ids) - reuse  # only the tail is fed
+    fresh = _fresh(m, SHOTS + CONTEXT + OPTIONS[1])
+    assert bool((reused == fresh).all())  # the very numbers of a fresh prefill
 
 
 def test_prefix_cache_copies_a_live_sequences_cache(llamacpp_members):
     """Options of one question forwarded together: the first is prefilled, the others copy its cache."""
     m = llamacpp_members["gemma3"]
-    states = [m.new_state(m.encode_prompt(CONTEXT + o)) for o in OPTIONS]
+    states = [m.new_state(m.encode_prompt(SHOTS + CONTEXT + o)) for o in OPTIONS]
     before = dict(m.prefix_stats)
     out = m.next_logprobs(states)
     for st in states:
         m.release(st)
     assert m.prefix_stats["copied"] - before["copied"] >= len(OPTIONS) - 1
     for o, lp in zip(OPTIONS, out):
-        fresh = _fresh(m, CONTEXT + o)
-        assert (lp.exp() - fresh.exp()).abs().max().item() <= ROLLBACK_TOL
-        assert int(lp.argmax()) == int(fresh.argmax())
+        assert bool((lp == _fresh(m, SHOTS + CONTEXT + o)).all())
+
+
+def test_prefix_cache_reuses_only_what_a_fresh_prefill_computes_alike(llamacpp_members):
+    """A cache filled one token per call (generation) is not reused past its prefill; the result is
+    bit-identical to a fresh prefill either way."""
+    m = llamacpp_members["gemma3"]
+    prompt = m.encode_prompt(CONTEXT)
+    st = m.new_state(prompt)
+    m.next_logprobs([st])
+    for tid in m.codec.encode_text(" whale, because it breathes air and feeds its young with milk"):  # as generation
+        st.ids.append(tid)
+        m.next_logprobs([st])
+    full = st.all_ids()
+    m.release(st)
+    st = m.new_state(full)
+    before = dict(m.prefix_stats)
+    got = m.next_logprobs([st])[0]
+    m.release(st)
+    assert m.prefix_stats["fed"] - before["fed"] == len(full) - min(len(prompt), len(full) - BLOCK) // BLOCK * BLOCK
+    assert bool((got == _fresh_ids(m, full)).all())
+
+
+def _fresh_ids(m, ids):
+    st = m.new_state(ids)
+    saved, m.prefix_cache = m.prefix_cache, False
+    try:
+        return m.next_logprobs([st])[0]
+    finally:
+        m.release(st)
+        m.prefix_cache = saved
 
 
 def test_prefix_cache_keeps_only_ids_still_valid_after_a_rollback(llamacpp_members):
@@ -264,32 +294,10 @@ def _state_of(m, ids):
     return st
 
 
-def test_logprobs_at_is_exact_against_one_token_per_call_where_llama_cpp_is_split_invariant(llamacpp_members):
-    """SmolLM2 (Q4_1, flash attention): every split of a sequence into calls gives the same numbers."""
-    m = llamacpp_members["smollm2"]
-    m.prefix_cache = False
-    try:
-        ids = m.encode_prompt(PROMPTS[0]) + m.codec.encode_text(TEXT)
-        ends = list(range(len(ids) - 10, len(ids) + 1))
-        st = _state_of(m, ids)
-        fast = m.logprobs_at(st, ends)
-        m.release(st)
-        step = m.new_state(ids[: ends[0]])
-        rows = [m.next_logprobs([step])[0].clone()]
-        for n in ends[1:]:
-            step.ids.append(ids[n - 1])
-            rows.append(m.next_logprobs([step])[0].clone())
-        m.release(step)
-        for a, b in zip(fast, rows):
-            assert (a - b).abs().max().item() == 0.0
-    finally:
-        m.prefix_cache = True
-
-
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
 def test_logprobs_at_in_blocks_of_eight_equals_one_chunk(llamacpp_members, family):
-    """Any split into calls of a multiple of 8 tokens gives one chunk's numbers (the rule that
-    docs/evaluation.md states for the K-quant files, where shorter calls differ)."""
+    """Any split into calls of a multiple of 8 tokens gives one chunk's numbers (the rule the prefix
+    cache relies on; shorter calls differ, docs/evaluation.md)."""
     m = llamacpp_members[family]
     m.prefix_cache = False
     try:
@@ -305,19 +313,5 @@ def test_logprobs_at_in_blocks_of_eight_equals_one_chunk(llamacpp_members, famil
         m.release(st)
         for a, b in zip(whole, parts):
             assert (a - b).abs().max().item() == 0.0
-    finally:
-        m.prefix_cache = True
-
-
-def test_one_forward_scoring_equals_stepwise_for_a_split_invariant_member(llamacpp_members):
-    m = llamacpp_members["smollm2"]
-    m.prefix_cache = False
-    try:
-        ens = Ensemble([m])
-        requests = [(PROMPTS[0], " Paris, the city of light 😀"), (PROMPTS[1], "\n    if n < 2:\n        return n")]
-        fast, slow = ens.loglikelihood(requests), ens.loglikelihood(requests, stepwise=True)
-        for f, s in zip(fast, slow):
-            assert f.logprob == pytest.approx(s.logprob, abs=1e-4)
-            assert f.piece_bytes == s.piece_bytes
     finally:
         m.prefix_cache = True

@@ -14,11 +14,16 @@ composition, so batch and one-by-one outputs can differ; it is off by default. R
 when stepping, several for one-forward scoring). Sliding-window layers
 (Gemma-3) keep their full cache (``swa_full``) so any rollback is possible.
 
-Flash attention is on: with it, attention gives the same numbers however a sequence is cut into
-decode calls (without it, a one-token call takes another kernel than a longer one). The weight
-matrices of some quantisation types (Q4_K/Q6_K/Q5_0, as in the bundled Gemma-3 and Qwen files)
-still do not: llama.cpp computes batches of fewer than 8 tokens by other kernels than longer
-ones (``scripts/measure_split.py``; docs/evaluation.md, "One-forward scoring").
+Prefix cache (``prefix_cache``, on by default): a new sequence starts from the pooled (or a live)
+context sharing the longest prefix of its ids, reusing only what gives a fresh prefill's very
+numbers (``BLOCK``), so a sequence's numbers do not depend on what ran before it either.
+
+How a sequence is cut into decode calls changes llama.cpp's numbers on this CPU build: a
+one-token call takes other attention kernels than a longer one, the weight matrices of some
+quantisation types (Q4_K/Q6_K/Q5_0, as in the bundled Gemma-3 and Qwen files) are multiplied by
+other kernels in calls of fewer than 8 tokens, and flash attention (off here) takes another path
+for long calls. Calls of 8 or more tokens that start at a multiple of 8 give a fresh prefill's
+numbers (``scripts/measure_split.py``; docs/evaluation.md, "One-forward scoring").
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ _LOAD_LOCK = threading.Lock()
 # A live sequence's cache is copied for a new one only when that saves more than this many ids
 # over the best pooled context (copying costs about as much as feeding a few ids).
 COPY_MIN = 16
+# llama.cpp's CPU kernels compute a decode call of fewer than BLOCK ids differently from a longer one
+# and group the rows of a longer one from its first position (scripts/measure_split.py). A cached
+# prefix is therefore reused only where that gives a fresh prefill's very numbers: up to a multiple
+# of BLOCK, within the positions the cache computed as a fresh prefill does (``_Slot.exact``), with at
+# least BLOCK ids left to feed; and long feeds are cut at absolute multiples of ``n_batch``.
+BLOCK = 8
 
 
 def import_llama_cpp():
@@ -100,6 +111,7 @@ class _Slot:
         self.ctx = ctx
         self.batch = batch
         self.n = 0  # positions in the cache
+        self.exact = 0  # positions [0, exact) were computed as a fresh prefill computes them (BLOCK)
         self.owner: SeqState | None = None  # the live sequence using it; None while pooled
         self.ids: list[int] = []  # while pooled: the ids its cache still holds (prefix reuse)
 
@@ -108,6 +120,13 @@ class _Slot:
         if self.owner is None:
             return self.ids
         return self.owner.all_ids()[: min(self.owner.n_valid, self.n)]
+
+
+def _reusable(common: int, exact: int, total: int, limit: int) -> int:
+    """How many of a cache's ids a sequence of ``total`` ids sharing ``common`` with them may reuse
+    and still get a fresh prefill's numbers (``BLOCK``); at most ``limit``."""
+    n = min(common, exact, limit, total - BLOCK)
+    return max(0, n - n % BLOCK)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -140,7 +159,7 @@ class LlamaCppMember(LocalMember):
             with _LOAD_LOCK:
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                  n_threads=n_threads or max(1, os.cpu_count() or 1), logits_all=False,
-                                 swa_full=True, flash_attn=True, verbose=False)
+                                 swa_full=True, verbose=False)
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
@@ -259,10 +278,11 @@ class LlamaCppMember(LocalMember):
         self.prefix_stats["sequences"] += 1
         slot, reuse = None, 0  # the forward crops the cache to ``reuse`` ids and feeds the rest
         if self.prefix_cache:
-            pooled = [_common_prefix(sl.ids, ids, limit) for sl in self._free]
+            pooled = [_reusable(_common_prefix(sl.ids, ids, limit), sl.exact, len(ids), limit) for sl in self._free]
             best = int(np.argmax(pooled)) if pooled else -1
             reuse = pooled[best] if pooled else 0
-            live = [(_common_prefix(sl.cached_ids(), ids, limit), sl) for sl in self._busy]
+            live = [(_reusable(_common_prefix(sl.cached_ids(), ids, limit), sl.exact, len(ids), limit), sl)
+                    for sl in self._busy]
             donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
             if donor is not None and donor_n > reuse + COPY_MIN:
                 slot = self._least_recent()  # gets a copy of the live context's cache
@@ -292,6 +312,7 @@ class LlamaCppMember(LocalMember):
         dst.ctx.kv_cache_seq_rm(0, 0, -1)
         ok = got > 0 and lib.llama_state_seq_set_data(dst.ctx.ctx, buf, got, 0) == got
         dst.n = src.n if ok else 0
+        dst.exact = src.exact if ok else 0
         if not ok:
             dst.ctx.kv_cache_seq_rm(0, 0, -1)
         return ok
@@ -313,20 +334,23 @@ class LlamaCppMember(LocalMember):
                 slot.ctx.kv_cache_seq_rm(0, 0, -1)
                 st.n_valid = 0
             slot.n = st.n_valid
-        new = st.all_ids()[st.n_valid :]
-        self.prefix_stats["fed"] += len(new)
+            slot.exact = min(slot.exact, slot.n)
+        ids = st.all_ids()
+        self.prefix_stats["fed"] += len(ids) - slot.n
         want = {n - 1 for n in ends}  # positions whose next-token logits are asked for
         rows: dict[int, torch.Tensor] = {}
-        for i in range(0, len(new), self.n_batch):
-            chunk = new[i : i + self.n_batch]
+        while slot.n < len(ids):  # batches end at multiples of n_batch, wherever the feed started
+            start, stop = slot.n, min(len(ids), (slot.n // self.n_batch + 1) * self.n_batch)
             b = slot.batch.batch
-            for j, tok in enumerate(chunk):
-                _put(b, j, tok, slot.n + j, 0)
-                b.logits[j] = slot.n + j in want
-            b.n_tokens = len(chunk)
+            for j, tok in enumerate(ids[start:stop]):
+                _put(b, j, tok, start + j, 0)
+                b.logits[j] = start + j in want
+            b.n_tokens = stop - start
             slot.ctx.decode(slot.batch)
-            rows.update((slot.n + j, self._logprobs(slot.ctx, j)) for j in range(len(chunk)) if slot.n + j in want)
-            slot.n += len(chunk)
+            rows.update((p, self._logprobs(slot.ctx, p - start)) for p in range(start, stop) if p in want)
+            if start == slot.exact and start % BLOCK == 0 and stop - start >= BLOCK:
+                slot.exact = stop
+            slot.n = stop
         st.n_valid = slot.n  # already now, so a sequence acquired later in this batch can copy it
         return [rows[n - 1] for n in ends]
 
@@ -347,6 +371,7 @@ class LlamaCppMember(LocalMember):
             if slot.n > keep:
                 slot.ctx.kv_cache_seq_rm(0, keep, -1)
             slot.n, slot.owner = keep, None
+            slot.exact = min(slot.exact, keep)
             self._busy.remove(slot)
             self._free.append(slot)
         super().release(state)
