@@ -22,7 +22,7 @@ from tokenfuse.engine import check_members
 from tokenfuse.errors import ConfigError
 
 # The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
-ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "weights")
+ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "scoring", "weights")
 
 
 class _Strict(BaseModel):
@@ -160,7 +160,7 @@ class EnsembleConfig(_Strict):
         * ``method``: a different method clears ``params`` (another method's parameters do not
           carry over); the same method keeps them;
         * ``params``: merged key by key into the (possibly cleared) parameters;
-        * ``gate``, ``threshold``, ``primary``, ``agreement_skip``: replaced;
+        * ``gate``, ``threshold``, ``primary``, ``agreement_skip``, ``scoring``: replaced;
         * ``weights``: a list in member order, or ``{member name: weight}`` (the others kept).
 
         ``decoding`` fields (``DecodingConfig``) are merged into the decoding defaults.
@@ -175,7 +175,7 @@ class EnsembleConfig(_Strict):
                               f"allowed: {', '.join(ENSEMBLE_OPTIONS)}")
         label = {k: f"{origin}: {k}" for k in ENSEMBLE_OPTIONS} | dict(names or {})
         data = self.model_dump()
-        for key in ("method", "gate", "threshold", "primary", "agreement_skip"):
+        for key in ("method", "gate", "threshold", "primary", "agreement_skip", "scoring"):
             if key in options:
                 data[key] = options[key]
         if "method" in options and options["method"] != self.method:
