@@ -118,6 +118,21 @@ def test_flag_errors_are_one_line(capsys, fake_load, argv, needle):
     assert fake_load == []  # rejected before any model is loaded
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--thresholds", "x"], "--thresholds: expected comma-separated numbers in [0, 1]"),
+    (["--thresholds", "0.3,1.5"], "--thresholds"),
+    (["--methods", "gac,foo"], "--methods: unknown method foo; choose from deepen, gac, unite"),
+    (["--backends", "gpu"], "--backends: unknown backend gpu"),
+    (["--repeats", "0"], "--repeats: expected a whole number >= 1"),
+    (["--max-new-tokens", "many"], "--max-new-tokens"),
+])
+def test_bench_flag_errors_are_one_line(capsys, fake_load, argv, needle):
+    code, out, err = run(capsys, "bench", *argv)
+    assert (code, out) == (2, "")
+    assert needle in one_error_line(err)
+    assert fake_load == []
+
+
 @pytest.mark.parametrize("typo,hint", [("gemma3-27m", "gemma3-270m"),
                                        ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct"),
                                        ("smollm2-135m", "smollm2-135m-instruct")])

@@ -265,3 +265,28 @@ def test_from_args_errors_name_the_flag(kw, message):
     with pytest.raises(ConfigError) as info:
         EnsembleConfig.from_args(_args(models="a,b", **kw))
     assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"params": {"select": 2}}, "cfg.yaml: params.select: gac: Input should be less than or equal to 1"),
+    ({"params": {"select": 0.5}, "gate": "a", "threshold": 0.3},
+     "cfg.yaml: params.select: selective ensembling gates on the primary member (a); drop `gate` and `threshold`"),
+    ({"params": {"confidence": "max"}}, "cfg.yaml: params.confidence: gac: Input should be 'none', 'top' or 'entropy'"),
+    ({"params": {"prompt_weights": -1}}, "cfg.yaml: params.prompt_weights: gac: Input should be greater than 0"),
+    ({"params": {"prompt_weights": 0.1}, "placement": "ray"},
+     "cfg.yaml: placement: params.prompt_weights (PackLLM) needs every member's log-probabilities"),
+    ({"method": "unite", "params": {"prompt_weights": 0.1},
+      "members": [{"name": "a"}, {"name": "b", "backend": "openai", "base_url": "http://127.0.0.1:1/v1"}]},
+     "cfg.yaml: members.1.backend: params.prompt_weights (PackLLM) needs member 'b''s log-probabilities"),
+    ({"method": "deepen", "params": {"select": 0.5}}, "cfg.yaml: params.select: deepen: unexpected keyword argument"),
+])
+def test_adaptive_params_are_checked_against_the_config(extra, message):
+    assert _error({"members": _members("a", "b"), **extra}).startswith(message)
+
+
+def test_adaptive_params_round_trip():
+    cfg = parse_config({"members": _members("a", "b"), "method": "unite",
+                        "params": {"k": 4, "select": 0.6, "select_boundary": False, "confidence": "entropy",
+                                   "sharpness": 2.0, "prompt_weights": 0.2}})
+    assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
+    assert cfg.with_overrides(params={"select": None}).params["select"] is None

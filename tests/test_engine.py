@@ -550,3 +550,41 @@ def test_end_union_entry_is_shared(build, trio):
     for i, m in enumerate(ens.members):
         for t in m.codec.end_ids:
             assert ens.union.maps[i][t] == END
+
+
+def test_member_pool_shares_the_cores_among_members_side_by_side(members, monkeypatch):
+    """Members forwarded side by side split the cores and a member that finishes first leaves its
+    share to the others; one member alone, or members one after another, get them all."""
+    import threading
+
+    from tokenfuse.engine.pool import MemberPool
+
+    share = {}
+    for m in members:
+        monkeypatch.setattr(m, "share_cores", lambda n, name=m.name: share.__setitem__(name, n), raising=False)
+    pool = MemberPool(members, parallel=True)
+    monkeypatch.setattr(pool, "cores", 4)
+    seen, a_done, both_read = {}, threading.Event(), threading.Barrier(2)
+
+    def work(i):
+        name = members[i].name
+        if name != "A":
+            a_done.wait(10)
+            threading.Event().wait(0.2)  # A's callback has run by then
+        seen.setdefault(name, []).append(share[name])
+        if name != "A":
+            both_read.wait(10)  # neither B nor C finishes before both have read their share
+        return i
+
+    try:
+        pool.run([0, 1, 2], lambda i: (work(i), a_done.set() if i == 0 else None)[0])
+        assert seen == {"A": [1], "B": [2], "C": [2]}
+        pool.run([1], lambda i: i)
+        assert share["B"] == 4
+    finally:
+        pool.shutdown()
+    seq = MemberPool(members, parallel=False)
+    seq.cores = 4
+    share.clear()
+    seq.run([0, 1], lambda i: share.get(members[i].name))
+    assert share == {"A": 4, "B": 4}

@@ -11,7 +11,7 @@ from tokenfuse.config import config_from_models
 from tokenfuse.eval.methods import answer_key, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.report import markdown_table, summarise
 from tokenfuse.eval.runner import EvalSettings, run_eval
-from tokenfuse.eval.stats import bootstrap_ci
+from tokenfuse.eval.stats import bootstrap_ci, paired_bootstrap, paired_bootstrap_mean
 from tokenfuse.errors import TokenfuseError
 
 pytest.importorskip("sacrebleu")
@@ -52,6 +52,38 @@ def test_bootstrap_ci_fixed_seed():
     assert lo != lo and hi != hi  # NaN
 
 
+def test_paired_bootstrap_resamples_the_differences():
+    a, b = [1, 1, 1, 0, 1, 0, 1, 1, 0, 1], [0, 1, 0, 0, 1, 0, 1, 0, 0, 1]
+    d, lo, hi = paired_bootstrap(a, b)
+    assert (d, hi) == (pytest.approx(0.3), pytest.approx(0.6)) and lo == pytest.approx(0.0975)
+    assert (lo, hi) == bootstrap_ci([x - y for x, y in zip(a, b)])  # the same draws, on the differences
+    # Unpaired, the two intervals overlap (40-100 against 10-70): pairing is what separates them.
+    assert bootstrap_ci(a) == pytest.approx((0.4, 1.0)) and bootstrap_ci(b) == pytest.approx((0.1, 0.7))
+    assert paired_bootstrap(a, a) == (0.0, 0.0, 0.0)
+    assert paired_bootstrap([1, 1], [0, 0]) == (1.0, 1.0, 1.0)
+    assert all(x != x for x in paired_bootstrap([], []))
+    with pytest.raises(ValueError, match="3 against 2 items"):
+        paired_bootstrap([1, 0, 1], [1, 0])
+
+
+def test_paired_bootstrap_mean_stratified_over_tasks():
+    import numpy as np
+
+    a, b = [1, 1, 1, 0, 1, 0, 1, 1, 0, 1], [0, 1, 0, 0, 1, 0, 1, 0, 0, 1]
+    c, e = [1, 0, 0, 0], [1, 1, 0, 0]
+    assert paired_bootstrap_mean([(a, b)]) == paired_bootstrap(a, b)
+    got = paired_bootstrap_mean([(a, b), (c, e)])
+    # By hand: one generator, each task's items drawn separately in task order, then the mean of the task means.
+    rng = np.random.default_rng(0)
+    da, dc = np.subtract(a, b), np.subtract(c, e)
+    means = (da[rng.integers(0, 10, size=(1000, 10))].mean(1) + dc[rng.integers(0, 4, size=(1000, 4))].mean(1)) / 2
+    assert got == (pytest.approx((0.3 - 0.25) / 2), *np.quantile(means, [0.025, 0.975]).tolist())
+    assert got[1:] == (pytest.approx(-0.25), pytest.approx(0.25))
+    # Every resample of (+1 on one task, -1 on the other) averages to 0.
+    assert paired_bootstrap_mean([([1] * 5, [0] * 5), ([0, 0], [1, 1])]) == (0.0, 0.0, 0.0)
+    assert all(x != x for x in paired_bootstrap_mean([(a, b), ([], [])]))
+
+
 # ---------------------------------------------------------------------------------------- planning
 def test_parse_and_plan_methods():
     with pytest.raises(TokenfuseError, match="did you mean 'vote'"):
@@ -84,6 +116,26 @@ def test_engine_rows_are_config_overrides():
     assert (rows["gac-threshold"].params, rows["gac-threshold"].gate, rows["gac-threshold"].threshold) == ({}, "b", 0.2)
 
 
+def test_adaptive_rows():
+    from tokenfuse.config import parse_config
+
+    cfg = parse_config({"members": [{"name": "a"}, {"name": "b"}], "params": {"select": 0.7}})
+    names = ["gac", "gac-threshold", "gac-select", "gac-conf", "gac-prompt"]
+    gen = {s.name: s for s in plan_methods(cfg, names, form="generate", registered=["gac"], log=lambda m: None)}
+    lik = {s.name: s for s in plan_methods(cfg, names, form="likelihood", registered=["gac"], log=lambda m: None)}
+    rows = {n: cfg.with_overrides(**s.overrides) for n, s in gen.items() if s.overrides}
+    assert rows["gac"].params == {"select": 0.7}  # the config's own method keeps its params
+    assert (rows["gac-threshold"].gate, rows["gac-threshold"].params["select"]) == ("a", None)
+    assert rows["gac-select"].params == {"select": 0.7}  # the config's value
+    assert rows["gac-conf"].params == {"select": 0.7, "confidence": "entropy"}  # the default, beside the config's
+    assert rows["gac-prompt"].params == {"select": 0.7, "prompt_weights": 0.1, "prompt_bytes": 512}
+    assert rows["gac-prompt"].scoring == "one-forward"
+    assert "scoring" not in lik["gac-prompt"].overrides and "scoring" not in lik["gac-conf"].overrides
+    other = parse_config({"members": [{"name": "a"}, {"name": "b"}], "method": "unite", "params": {"k": 3}})
+    sel = plan_methods(other, ["gac-select"], form="generate", registered=["gac"], log=lambda m: None)[-1]
+    assert other.with_overrides(**sel.overrides).params == {"select": 0.5}  # unite's params stay with unite
+
+
 # ---------------------------------------------------------------------------------------- table
 def _rec(i, correct, **kw):
     return {"id": str(i), "correct": correct, **kw}
@@ -113,9 +165,30 @@ def test_markdown_table_shape():
     assert table[3] == "| single:b-model | 25.0 | 50.0 | 37.5 | +0.0 | 100 | 0 | 40.0 |"
     assert table[4] == "| gac | 75.0 | 25.0 | 50.0 | +12.5 | 200 | 50 | 24.0 |"
     assert table[5] == "| vote | 25.0 | 25.0 | 25.0 | -12.5 | — | — | — |"
-    gain = table[len(table) - 1 - table[::-1].index("| method | piqa | gsm8k |"):]
-    assert gain[2] == "| gac | +25.0 | **-25.0** |"
+    head = "| method | piqa | gsm8k | Avg. vs single:a-model | Avg. vs per-task best |"
+    gain = table[table.index(head):]
+    # per task against that task's best member (piqa: a, gsm8k: b); the average against a (the best
+    # average), then against a on piqa and b on gsm8k
+    assert gain[2] == ("| gac | +25.0 [+0.0, +75.0] | **-25.0** [-75.0, +0.0] | +12.5 [-25.0, +50.0] | "
+                       "+0.0 [-25.0, +25.0] |")
+    assert gain[3] == ("| vote | **-25.0** [-75.0, +0.0] | **-25.0** [-100.0, +50.0] | **-12.5** [-37.5, +0.0] | "
+                       "**-25.0** [-75.0, +12.8] |")
     assert "piqa: likelihood, gsm8k: generate" in table[-1]
+    gac = results["tasks"]["gsm8k"]["gac"]["vs_best"]
+    assert (gac["member"], gac["gain"], gac["ci"]) == ("single:b-model", -0.25, [-0.75, 0.0])
+    assert "vs_best" not in results["tasks"]["gsm8k"]["single:a-model"]
+    ov = results["overview"]["gac"]
+    assert (ov["vs_best"]["member"], ov["vs_best"]["gain"], ov["vs_best"]["ci"]) == ("single:a-model", 0.125,
+                                                                                    [-0.25, 0.5])
+    assert ov["vs_task_best"] == {"members": {"piqa": "single:a-model", "gsm8k": "single:b-model"}, "gain": 0.0,
+                                  "ci": [-0.25, 0.25]}
+    # A significant gain gets its mark: gac right on every item where the best member is wrong.
+    recs["piqa"]["gac"] = [_rec(i, 1, correct_raw=1, seconds=3.0, steps=4) for i in range(4)]
+    recs["piqa"]["single:b-model"] = [_rec(i, 0, correct_raw=0, seconds=2.0, steps=4) for i in range(4)]
+    recs["piqa"]["single:a-model"] = [_rec(i, 0, correct_raw=0, seconds=1.0, steps=4) for i in range(4)]
+    table = markdown_table(summarise(cfg, EvalSettings(tasks=["piqa", "gsm8k"]), recs,
+                                     {"piqa": "likelihood", "gsm8k": "generate"}))
+    assert "| gac | +100.0 [+100.0, +100.0]† | **-25.0** [-75.0, +0.0] |" in table
 
 
 # ---------------------------------------------------------------------------------------- a run
@@ -160,6 +233,11 @@ def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monk
     assert "seq-avg" not in res["tasks"]["triviaqa"]
     for name in ("results.json", "results.md", "results.png"):
         assert (out / name).is_file()
+    for t, per in res["tasks"].items():  # every other row against the task's best member, paired
+        best = max(["single:s", "single:q"], key=lambda m: per[m]["acc"])
+        for m in ("gac", "vote", "mbr"):
+            assert (per[m]["vs_best"]["member"], per[m]["vs_best"]["gain"]) == (best, per[m]["acc"] - per[best]["acc"])
+    assert "| Avg. vs per-task best |" in (out / "results.md").read_text()
     gac_file = out / "items" / "arc_easy-likelihood" / "gac.jsonl"
     lines = gac_file.read_text().splitlines()
     rec = json.loads(lines[0])

@@ -315,3 +315,27 @@ def test_logprobs_at_in_blocks_of_eight_equals_one_chunk(llamacpp_members, famil
             assert (a - b).abs().max().item() == 0.0
     finally:
         m.prefix_cache = True
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
+def test_thread_count_does_not_change_the_numbers(llamacpp_members, family):
+    """The member pool gives a member 1 core when members run side by side and all of them when it
+    runs alone (``share_cores``): a one-token decode and a chunk are bit-identical either way."""
+    m = llamacpp_members[family]
+    ids = m.encode_prompt(CONTEXT + OPTIONS[0])
+    got = {}
+    for n in (1, 2, 1):
+        m.share_cores(n)
+        st = m.new_state(ids[:-9])
+        m.next_logprobs([st])
+        assert st.cache.threads == n
+        st.ids = ids[len(ids) - 9:len(ids) - 8]
+        one = m.next_logprobs([st])[0]
+        st.ids = ids[len(ids) - 9:]
+        chunk = m.logprobs_at(st, [len(ids) - 4, len(ids)])
+        m.release(st)
+        got.setdefault(n, []).append((one, chunk))
+    m.share_cores(2)
+    (a1, c1), (a2, c2) = got[1][0], got[2][0]
+    assert bool((a1 == a2).all()) and bool((c1 == c2).all())
+    assert bool((got[1][1][0] == a1).all())

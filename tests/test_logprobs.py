@@ -173,7 +173,9 @@ def test_echo_scores_the_prompt(client, ens):
     assert out["tokens"] == [b.decode() for b, _ in pieces] and "".join(out["tokens"]) == prompt
     assert out["token_logprobs"] == [x for _, x in pieces] and out["token_logprobs"][0] is None
     assert out["top_logprobs"][0] is None
-    assert out["top_logprobs"][1:] == [{b.decode(): x} for b, x in pieces[1:]]
+    scored = ens.score_prompt(prompt, top=1)
+    assert [(p.bytes, p.logprob) for p in scored] == pieces
+    assert out["top_logprobs"][1:] == [{p.top[0].text: math.log(p.top[0].prob)} for p in scored[1:]]
     assert out["text_offset"] == [sum(len(b) for b, _ in pieces[:k]) for k in range(len(pieces))]  # ASCII
 
     # with generated pieces after it (lm-eval asks max_tokens 1), streamed or not
@@ -210,6 +212,23 @@ def test_echo_of_a_split_first_character(client, ens):
                                                "echo": True}).json()["choices"][0]["logprobs"]
     assert out["tokens"] == ["", "", "肺", "", "", "癌", " x"] and out["text_offset"] == [0, 0, 0, 1, 1, 1, 2]
     assert out["token_logprobs"] == [x for _, x in pieces] and out["top_logprobs"][:3] == [None] * 3
+
+
+def test_echoed_prompt_alternatives_are_the_next_step_distribution(make_tiny, align_cache):
+    """With ``echo``, a prompt piece's ``top_logprobs`` are the ensemble's most likely entries at that
+    point: for one member, what generation from the prompt so far shows as its first step."""
+    solo = Ensemble([make_tiny("smollm2", seed=5, name="solo")], align_cache=align_cache)
+    prompt = "The sky is blue today and"
+    scored = solo.score_prompt(prompt, top=3)
+    for j in (1, len(scored) - 1):
+        context = b"".join(p.bytes for p in scored[:j]).decode()
+        (step,) = solo.generate(context, max_new_tokens=1, trace=True, trace_k=3).trace
+        assert [t.text for t in scored[j].top] == [t.text for t in step.top]
+        assert [t.prob for t in scored[j].top] == pytest.approx([t.prob for t in step.top], abs=1e-5)
+    with TestClient(create_app(solo)) as c:
+        out = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0, "logprobs": 3,
+                                             "echo": True}).json()["choices"][0]["logprobs"]
+    assert out["top_logprobs"][1:] == [{t.text: math.log(t.prob) for t in p.top} for p in scored[1:]]
 
 
 def test_echo_of_one_member_is_its_own_likelihood(make_tiny, align_cache):

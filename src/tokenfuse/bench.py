@@ -3,7 +3,8 @@
 Rows, for each backend asked for (llama.cpp and transformers by default): each member alone; each
 method asked for (``gac,unite`` by default) every step with agreement skip (the default for greedy
 decoding) and without it (``-noskip``); GaC with the members one after another instead of in
-threads; and GaC thresholded at each ``t`` with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
+threads; GaC recording the step trace (``gac-trace``: its cost against the ``gac`` row, which
+records nothing); and GaC thresholded at each ``t`` with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
 first. Each round runs every row on every prompt before the next round, so machine drift hits all
 rows alike. ms/token counts decode only: wall time from the first chosen piece (prompt prefill
 done) to the last, divided by the pieces after the first; stages likewise. ``ensembled_share`` is
@@ -30,6 +31,7 @@ from tokenfuse.config import EnsembleConfig
 from tokenfuse.engine import Ensemble
 from tokenfuse.engine.timer import STAGES
 from tokenfuse.engine.sampling import Sampling
+from tokenfuse.engine.trace import TraceOptions
 from tokenfuse.progress import progress_bar
 
 PROMPTS = [
@@ -48,10 +50,10 @@ def _p90(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
 
 
-def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int) -> dict | None:
+def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int, trace: TraceOptions | None = None) -> dict | None:
     """Per-token figures of one generation, decode only: from the first chosen piece (the prompt
     prefill is behind it) to the last. ``None`` if fewer than two pieces were generated."""
-    s = ens.open(prompt, sampling=Sampling(), max_new_tokens=max_new_tokens)
+    s = ens.open(prompt, sampling=Sampling(), max_new_tokens=max_new_tokens, trace=trace)
     try:
         ens.step([s])
         t0, before = time.perf_counter(), ens.timer.snapshot()
@@ -184,17 +186,19 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
         if len(members) > 1 and not (quick and backend != backends[0]):
             every_step = bcfg.with_overrides(gate=None, threshold=None, agreement_skip=None, origin="bench")
 
-            def add(name: str, *, parallel: bool = True, **options) -> None:
-                """A row: the config with ``options`` (``EnsembleConfig.with_overrides``) on the loaded members."""
+            def add(name: str, *, parallel: bool = True, trace: bool = False, **options) -> None:
+                """A row: the config with ``options`` (``EnsembleConfig.with_overrides``) on the loaded
+                members; ``trace``: its generations record the step trace (what it costs when on)."""
                 variant = every_step.with_overrides(**options, origin=f"bench row {name}")
                 variant = variant.model_copy(update={"parallel": parallel})  # gac-sequential: one after another
-                rows.append({"name": f"{backend}:{name}", "backend": backend,
-                             "ens": ensemble_from_members(variant, members)})
+                rows.append({"name": f"{backend}:{name}", "backend": backend, "ens": ensemble_from_members(variant, members),
+                             "trace": TraceOptions() if trace else None})
 
             for method in methods:
                 add(method, method=method)
                 add(f"{method}-noskip", method=method, agreement_skip=False)
             add("gac-sequential", method="gac", parallel=False)
+            add("gac-trace", method="gac", trace=True)
             for t in thresholds:
                 add(f"gac-t{t}", method="gac", gate=members[0].name, threshold=t)
 
@@ -205,7 +209,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
         for _ in range(repeats):
             for p in prompts:
                 for r in rows:
-                    if (sample := _decode_sample(r["ens"], p, max_new_tokens)) is not None:
+                    if (sample := _decode_sample(r["ens"], p, max_new_tokens, r.get("trace"))) is not None:
                         r["samples"].append(sample)
                     r["rss"] = _rss_mb()
                     bar.update(1)
@@ -224,6 +228,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
             "parallel": ens.parallel,
             "gate": ens.members[ens.gate].name if ens.gate is not None else None,
             "threshold": ens.threshold,
+            "trace": r.get("trace") is not None,
             "ms_per_token": round(statistics.median(ms), 2),
             "ms_per_token_p90": round(_p90(ms), 2),
             "tokens_per_s": round(1000 / statistics.median(ms), 2),
@@ -236,6 +241,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
             "steps": steps,
             "peak_rss_mb": round(r["rss"], 1),
         })
+    _add_floors(table)
     result = {"rows": table, "loads": loads, "tokenizers": tokenizers, "union": union_times,
               "union_size": max(len(r["ens"].union) for r in rows),
               "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(prompts),
@@ -248,6 +254,18 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     return result
 
 
+def _add_floors(table: list[dict]) -> None:
+    """Thresholded rows' floor: the gate alone on gated steps, an every-step step of the same method
+    (its row) on the others, ``floor_ms_per_token = (1 - e) * gate + e * every_step`` for ensembled share ``e``."""
+    by_name = {r["name"]: r for r in table}
+    for r in table:
+        every = by_name.get(f"{r['backend']}:{r['method']}")
+        gate = by_name.get(f"{r['backend']}:{r['gate']}")
+        if r["gate"] and every and gate:
+            e = r["ensembled_share"]
+            r["floor_ms_per_token"] = round((1 - e) * gate["ms_per_token"] + e * every["ms_per_token"], 2)
+
+
 def _print(result: dict) -> None:
     rows = result["rows"]
     singles = {r["name"]: r["ms_per_token"] for r in rows if len(r["members"]) == 1}
@@ -258,9 +276,11 @@ def _print(result: dict) -> None:
         if r["gate"]:
             gate_ms = singles[b + ":" + r["gate"]]
             ref = f"{r['ms_per_token'] / gate_ms:.3f}x gate alone"
+            if "floor_ms_per_token" in r:
+                ref += f"; floor {r['floor_ms_per_token']:.2f} ms ({r['ms_per_token'] / r['floor_ms_per_token']:.3f}x)"
         elif len(r["members"]) > 1:
-            total = sum(singles[b + ":" + m] for m in r["members"])
-            ref = f"{r['ms_per_token'] / total:.3f}x sum of members"
+            alone = [singles[b + ":" + m] for m in r["members"]]
+            ref = f"{r['ms_per_token'] / sum(alone):.3f}x sum of members, {r['ms_per_token'] / max(alone):.3f}x slowest"
         elif b != "transformers" and "transformers:" + r["members"][0] in singles:
             speedup = singles["transformers:" + r["members"][0]] / r["ms_per_token"]
             ref = f"{speedup:.2f}x faster than transformers"

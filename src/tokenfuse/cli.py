@@ -26,6 +26,44 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def _items(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _thresholds(text: str) -> list[float]:
+    """A comma-separated list of thresholds, each in [0, 1]."""
+    try:
+        out = [float(t) for t in _items(text)]
+    except ValueError:
+        out = []
+    if not out or not all(0.0 <= t <= 1.0 for t in out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], e.g. 0.3,0.5; got {text!r}")
+    return out
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    from tokenfuse.combiners import REGISTRY
+
+    known = sorted(REGISTRY)
+    bad = [m for m in _items(text) if m not in known]
+    if bad or not _items(text):
+        raise argparse.ArgumentTypeError(f"unknown method {', '.join(bad) or repr(text)}; choose from {', '.join(known)}")
+    return tuple(_items(text))
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    bad = [b for b in _items(text) if b not in ("llamacpp", "transformers")]
+    if bad or not _items(text):
+        raise argparse.ArgumentTypeError(f"unknown backend {', '.join(bad) or repr(text)}; choose from llamacpp, transformers")
+    return tuple(_items(text))
+
+
 def _ensemble_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="ensemble config YAML (see examples/)")
@@ -95,15 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="ms/token of each member alone, GaC and thresholded GaC, in one run")
     _ensemble_args(b)
-    b.add_argument("--max-new-tokens", type=int, default=32)
-    b.add_argument("--repeats", type=int, default=3, help="rounds over the prompt set (median reported)")
-    b.add_argument("--thresholds", default="0.3,0.5,0.7", help="thresholds for the gated rows")
-    b.add_argument("--methods", default="gac,unite", help="combiners to compare (each with and without agreement skip)")
+    b.add_argument("--max-new-tokens", type=_positive, default=32)
+    b.add_argument("--repeats", type=_positive, default=3, help="rounds over the prompt set (median reported)")
+    b.add_argument("--thresholds", type=_thresholds, default="0.3,0.5,0.7", help="thresholds for the gated rows")
+    b.add_argument("--methods", type=_methods, default="gac,unite",
+                   help="combiners to compare (each with and without agreement skip)")
     b.add_argument("--quick", action="store_true",
                    help="reduced run (two prompts, one round, 16 pieces; members alone for the second backend)")
     b.add_argument("--json", dest="json_path", help="also write the rows to this JSON file")
     b.add_argument("--plot", dest="plot_path", help="draw the rows to this image (needs matplotlib)")
-    b.add_argument("--backends", default="llamacpp,transformers",
+    b.add_argument("--backends", type=_backends, default="llamacpp,transformers",
                    help="backends to compare, in one run (default: llamacpp,transformers)")
     b.add_argument("--compare-transformers", action="store_true",
                    help="also time each bundled tokenizer's conversion through transformers (about a minute)")
@@ -195,6 +234,7 @@ def _generate(args: argparse.Namespace) -> int:
         "ensembled_steps": g.ensembled_steps,
         "ensembled_share": round(g.ensembled_steps / max(g.steps, 1), 4),
         "skipped_steps": g.skipped_steps,
+        "vetoed_steps": g.vetoed_steps,
         "skip_share": round(g.skipped_steps / max(g.ensembled_steps, 1), 4),
         "finish_reason": g.finish_reason,
         "members": [{"name": m.name, "weight": m.weight, "load_s": round(m.load_seconds, 3)} for m in ens.members],
@@ -238,12 +278,10 @@ def _bench(args: argparse.Namespace) -> int:
     from tokenfuse.bench import run_bench
 
     cfg = EnsembleConfig.from_args(args)
-    thresholds = [float(t) for t in args.thresholds.split(",") if t.strip()]
-    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-    run_bench(cfg, backends=backends, max_new_tokens=args.max_new_tokens,
-              repeats=1 if args.quick else args.repeats, thresholds=thresholds, quick=args.quick,
+    run_bench(cfg, backends=args.backends, max_new_tokens=args.max_new_tokens,
+              repeats=1 if args.quick else args.repeats, thresholds=args.thresholds, quick=args.quick,
               json_path=args.json_path, plot_path=args.plot_path, compare_transformers=args.compare_transformers,
-              methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
+              methods=args.methods)
     return 0
 
 

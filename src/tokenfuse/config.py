@@ -47,7 +47,7 @@ class MemberConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
     n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
-    n_threads: int | None = Field(None, ge=1)  # llamacpp: threads (default: all cores)
+    n_threads: int | None = Field(None, ge=1)  # llamacpp: fixed threads (default: the cores shared out per call)
     multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
     prefix_cache: bool = True  # llamacpp: a new sequence reuses the cached keys/values of a shared prefix
     score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member
@@ -114,6 +114,8 @@ class EnsembleConfig(_Strict):
     placement: Literal["local", "ray"] = "local"  # ray: each member in a Ray actor (extra tokenfuse[ray])
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # Ray placement group
     ray_address: str | None = None  # ray.init(address=...) when Ray is not initialised yet (None: local)
+    ray_max_restarts: int = Field(0, ge=0)  # ray: restarts of a dead member actor (its sequences are re-sent whole)
+    ray_call_timeout: float | None = Field(None, gt=0)  # ray: seconds before a member call counts as unavailable
     on_member_failure: Literal["error", "skip"] = "error"  # skip: a failed remote/Ray member is left out
 
     @model_validator(mode="after")
@@ -127,6 +129,7 @@ class EnsembleConfig(_Strict):
                           threshold=self.threshold, primary=self.primary)
         except ConfigError as err:
             raise ValueError(str(err) + _repeat_hint(self.members)) from None
+        self._adaptive_consistent()
         if combiner_class(self.method).needs == "full":
             for i, m in enumerate(self.members):
                 if m.backend == "openai" and m.topk_fill == "error":
@@ -135,6 +138,20 @@ class EnsembleConfig(_Strict):
                         f"log-probabilities, but method {self.method!r} needs full distributions; use "
                         "`method: unite`, or set `topk_fill: uniform` on the member (docs/serving.md)")
         return self
+
+    def _adaptive_consistent(self) -> None:
+        """The adaptive parameters (``combiners.base.AdaptiveParams``) against the rest of the config."""
+        if self.params.get("select") is not None and self.gate is not None:
+            raise ValueError(f"params.select: selective ensembling gates on the primary member ({self.primary_name}); "
+                             "drop `gate` and `threshold`, or drop `select` (set `primary` to choose the member)")
+        if self.params.get("prompt_weights") is not None:
+            if self.placement == "ray":
+                raise ValueError("placement: params.prompt_weights (PackLLM) needs every member's log-probabilities "
+                                 "at each prompt position, which Ray members do not give; use `placement: local`")
+            for i, m in enumerate(self.members):
+                if m.backend == "openai":
+                    raise ValueError(f"members.{i}.backend: params.prompt_weights (PackLLM) needs member {m.name!r}'s "
+                                     "log-probabilities at every prompt position, which the OpenAI API does not give")
 
     @property
     def primary_name(self) -> str:

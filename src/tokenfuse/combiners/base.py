@@ -9,20 +9,28 @@ and the vocabulary space. It returns a ``Dist``: probabilities over union entrie
 Each combiner declares its parameters as a pydantic model (``Params``); ``get_combiner`` and
 ``validate_params`` check a method's parameters through it, so the config, the command line and
 the server's per-request options report a bad parameter the same way (``params.<key>: ...``).
+
+``AdaptiveParams`` are the adaptive options GaC and UniTE share (docs/evaluation.md, "Adaptive
+combination"): per-step weights from each member's confidence (``confidence``, applied here, in
+``Combiner.weights``), per-prompt weights from each member's likelihood of the prompt
+(``prompt_weights``, PackLLM: the engine scores the prompt and hands the factors over in
+``StepView.log_factors``) and selective ensembling (``select``, SAFE-style: the engine decides
+which steps are ensembled, ``tokenfuse.engine.decide``).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.errors import ConfigError
@@ -80,6 +88,8 @@ class StepView:
         logprobs: full ``float32[R, V_i]`` log-probabilities per member (``needs == "full"``).
         topk: ``(logprobs float32[R, k], ids int64[R, k])`` per member (``needs == "topk"``).
         stage: the engine's stage timer (``stage("align")`` is a context manager).
+        log_factors: per member, a per-row log weight factor ``float64[R]`` from the engine (PackLLM
+            prompt weights); a member without one has factor 1.
     """
 
     space: VocabSpace
@@ -90,6 +100,7 @@ class StepView:
     logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     stage: Callable[[str], AbstractContextManager] = _untimed
+    log_factors: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -115,6 +126,41 @@ class NoParams(BaseModel):
     """A method without parameters."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class AdaptiveParams(BaseModel):
+    """Adaptive options (GaC and UniTE; every one off by default).
+
+    Attributes:
+        select: selective ensembling (SAFE-style): the primary member's confidence threshold. Where
+            its top probability is above it the primary's piece is taken and no other member runs
+            (thresholded GaC with the primary as the gate); elsewhere every member runs, a piece they
+            all rank first is taken (agreement skip) and the combination decides only where they
+            disagree. ``0`` is the primary alone, ``1`` (with ``select_boundary: false``) plain
+            combination. ``None``: off.
+        select_boundary: with ``select``, never take the combination's piece where it is a strict
+            prefix of some computed member's most likely token (the member holds a longer word as one
+            token and would have to continue from a fragment of it): take the primary's most likely
+            piece there instead.
+        confidence: per-step weights: each member's weight times its confidence on that step,
+            ``top`` its top probability, ``entropy`` ``exp(-H)`` of its next-token distribution (top-k
+            methods: of its top-k, renormalised); ``none``: off.
+        sharpness: the exponent ``β`` of the confidence: ``top^β`` or ``exp(-β·H)``.
+        prompt_weights: PackLLM-sim per-prompt weights at temperature ``τ``: each member's weight
+            times ``exp(ℓ_i / τ)``, ``ℓ_i`` its mean log-probability per UTF-8 byte of its own prompt
+            (from the prefill). ``None``: off.
+        prompt_bytes: with ``prompt_weights``, score only each member's ids that cover the prompt's
+            last ``N`` bytes (the item-specific end of a few-shot prompt; the prefix before them is
+            a plain prefill, which a cached prefix can serve). ``None``: the whole prompt.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    select: float | None = Field(None, ge=0, le=1)
+    select_boundary: bool = True
+    confidence: Literal["none", "top", "entropy"] = "none"
+    sharpness: float = Field(1.0, ge=0)
+    prompt_weights: float | None = Field(None, gt=0)
+    prompt_bytes: int | None = Field(None, ge=1)
 
 
 class Combiner(ABC):
@@ -152,23 +198,48 @@ class Combiner(ABC):
     def combine(self, view: StepView) -> Dist:
         """The combined distribution for every row of ``view``."""
 
+    @property
+    def adaptive(self) -> AdaptiveParams | None:
+        """The adaptive options, for a method that has them (``None`` otherwise)."""
+        return self.params if isinstance(self.params, AdaptiveParams) else None
+
+    def weights(self, view: StepView) -> list[tuple[int, float | torch.Tensor]]:
+        """The computed members with a positive weight and their weights, not normalised: the
+        configured weights (floats) or, with per-row factors (``view.log_factors``, ``confidence``),
+        ``float64[R]`` per member, scaled so each row's largest is 1."""
+        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
+        opts = self.adaptive
+        conf = opts is not None and opts.confidence != "none" and opts.sharpness > 0 and len(live) > 1
+        if not conf and not any(i in view.log_factors for i, _ in live):
+            return live
+        logw = torch.zeros(view.rows, len(live), dtype=torch.float64)
+        for k, (i, w) in enumerate(live):
+            logw[:, k] = math.log(w)
+            if i in view.log_factors:
+                logw[:, k] += view.log_factors[i]
+            if conf:
+                logw[:, k] += opts.sharpness * log_confidence(view, i, opts.confidence)
+        w = (logw - logw.max(-1, keepdim=True).values).exp()
+        return [(i, w[:, k]) for k, (i, _) in enumerate(live)]
+
     def piece_probs(self, view: StepView, entries: Sequence[int]) -> torch.Tensor:
         """Probability of a *given* union entry per row (teacher forcing, likelihood scoring).
 
-        Default, for full-distribution combiners: the weighted average of each member's aligned
-        probability of the entry (its own mass on those bytes, or on the first sub-token of them
-        when it has no such token, as in UniTE), each member normalised over its text + END ids.
+        Default, for full-distribution combiners: the weighted average (``weights``) of each
+        member's aligned probability of the entry (its own mass on those bytes, or on the first
+        sub-token of them when it has no such token, as in UniTE), each member normalised over its
+        text + END ids.
         """
         space = view.space
         out = torch.zeros(view.rows, dtype=torch.float64)
-        for i, w in view.live_weights():
+        for i, w in normalise(self.weights(view)):
             lp = view.logprobs[i]
             text = space.projector.maps[i][: lp.shape[-1]] >= 0
             norm = torch.where(text, lp, torch.full_like(lp, float("-inf"))).logsumexp(-1)
             for r, e in enumerate(entries):
                 ids = space.aligner.query_ids(i, e)
                 if ids:
-                    out[r] += w * float((lp[r, ids] - norm[r]).exp().sum())
+                    out[r] += (w if isinstance(w, float) else float(w[r])) * float((lp[r, ids] - norm[r]).exp().sum())
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -176,8 +247,35 @@ class Combiner(ABC):
         return {"method": self.name, **self.params.model_dump(exclude_unset=True)}
 
 
-def weighted_average(probs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``Σ w_i p_i / Σ w_i`` over members with positive weight (``p_i`` already normalised)."""
+def log_confidence(view: StepView, i: int, kind: str) -> torch.Tensor:
+    """Member ``i``'s log-confidence on each row, ``float64[R]``: ``top`` its highest log-probability,
+    ``entropy`` minus the entropy of its next-token distribution (top-k: of its top-k, renormalised)."""
+    if kind == "top":
+        top = view.logprobs[i].max(-1).values if i in view.logprobs else view.topk[i][0][:, 0]
+        return top.double()
+    lp = view.logprobs[i].double() if i in view.logprobs else view.topk[i][0].double()
+    lp = lp - lp.logsumexp(-1, keepdim=True)  # (full distributions already sum to 1)
+    return (lp.exp() * lp).nan_to_num().sum(-1)  # -H; 0 * -inf counts 0
+
+
+def normalise(weights: Sequence[tuple[int, float | torch.Tensor]]) -> list[tuple[int, float | torch.Tensor]]:
+    """``Combiner.weights`` divided by their sum (per row for per-row weights)."""
+    if all(isinstance(w, float | int) for _, w in weights):
+        total = sum(w for _, w in weights)
+        return [(i, w / total) for i, w in weights]
+    total = sum(torch.as_tensor(w, dtype=torch.float64) for _, w in weights)
+    return [(i, torch.as_tensor(w, dtype=torch.float64) / total) for i, w in weights]
+
+
+def weighted_average(probs: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor]) -> torch.Tensor:
+    """``Σ w_i p_i / Σ w_i`` over members with positive weight (``p_i`` already normalised); a weight
+    may be a float or ``float64[R]`` per row (``Combiner.weights``)."""
+    if any(isinstance(w, torch.Tensor) for w in weights):
+        live = [(p, w) for p, w in zip(probs, weights) if not isinstance(w, float | int) or w > 0]
+        out = torch.zeros_like(live[0][0])
+        for i, w in normalise([(k, w) for k, (_, w) in enumerate(live)]):
+            out.add_(live[i][0] * w.to(out.dtype).unsqueeze(-1))
+        return out
     total = float(sum(w for w in weights if w > 0))
     if total <= 0:
         raise ValueError("at least one computed member needs a positive weight")

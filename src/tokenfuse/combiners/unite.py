@@ -24,6 +24,9 @@ Each step, per sequence:
 4. Weighted average with the member weights (uniform weights as in the paper), then the engine
    chooses (greedy by default, or sampling over the candidates).
 
+Adaptive options (``AdaptiveParams``: ``confidence`` from each member's top-k, ``prompt_weights``,
+``select``) as for GaC (``combiners/gac.py``); the average in step 4 then has per-row weights.
+
 A member is asked only for its top-``k`` and for the log-probabilities of a few named ids
 (``Member.next_topk`` and ``Member.token_logprobs``), so members that expose nothing else can take
 part.
@@ -33,16 +36,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 
-from tokenfuse.combiners.base import Combiner, Dist, Setup, StepView, register
+from tokenfuse.combiners.base import AdaptiveParams, Combiner, Dist, Setup, StepView, normalise, register
 from tokenfuse.errors import AlignmentError
 
 
-class UniTEParams(BaseModel):
-    """``k``: each member's top-k tokens that become candidates (the paper's default: 10)."""
+class UniTEParams(AdaptiveParams):
+    """``k``: each member's top-k tokens that become candidates (the paper's default: 10); the
+    adaptive options of ``AdaptiveParams``."""
 
-    model_config = ConfigDict(extra="forbid")
     k: int = 10
 
     @field_validator("k", mode="before")
@@ -64,7 +67,7 @@ class UniTE(Combiner):
         self.k = self.params.k
 
     def describe(self) -> dict:
-        return {"method": self.name, "k": self.k}
+        return {**super().describe(), "k": self.k}
 
     def bind(self, setup: Setup) -> None:
         super().bind(setup)
@@ -110,8 +113,8 @@ class UniTE(Combiner):
     def average(self, view: StepView, cands: list[list[int]]) -> np.ndarray:
         """The weighted average of the members' aligned, renormalised probabilities ``[R, C]``."""
         probs = np.zeros((len(cands), max(len(c) for c in cands)))
-        for i, w in view.live_weights():
-            probs += w * self.member_probs(view, i, cands)
+        for i, w in normalise(self.weights(view)):
+            probs += (w if isinstance(w, float) else w.numpy()[:, None]) * self.member_probs(view, i, cands)
         return probs
 
     def piece_probs(self, view: StepView, entries) -> torch.Tensor:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tokenfuse.alignment.space import VocabSpace
-from tokenfuse.alignment.union import UnionVocab
+from tokenfuse.alignment.union import END, UnionVocab
 from tokenfuse.combiners import Setup, get_combiner
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import Likelihood, score
@@ -31,7 +31,7 @@ from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sequence import Generation, Sequence, StepEvent
 from tokenfuse.engine.timer import StageTimer
-from tokenfuse.engine.trace import Trace, TraceOptions, TraceStep
+from tokenfuse.engine.trace import PromptPiece, TopEntry, Trace, TraceOptions, TraceStep, end_text, entry_text
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member
 
@@ -226,10 +226,16 @@ class Ensemble:
 
     def prompt_logprobs(self, prompt: str) -> list[tuple[bytes, float | None]]:
         """The prompt's pieces in the primary member's segmentation, each with its log-probability
+        given the pieces before it (``score_prompt`` without the alternatives)."""
+        return [(p.bytes, p.logprob) for p in self.score_prompt(prompt)]
+
+    def score_prompt(self, prompt: str, *, top: int = 0) -> list[PromptPiece]:
+        """The prompt's pieces in the primary member's segmentation, each with its log-probability
         given the pieces before it (teacher forcing, as ``loglikelihood``: the first piece is the
-        context, the rest its continuation). The first piece has none (``None``); so do the next
-        ones in the rare case that the rest of the prompt, tokenised alone, would be cut otherwise
-        than within the whole prompt (the context then grows until it is not)."""
+        context, the rest its continuation) and, with ``top``, the combined distribution's ``top``
+        most likely entries there. The first piece has none (``None``); so do the next ones in the
+        rare case that the rest of the prompt, tokenised alone, would be cut otherwise than within
+        the whole prompt (the context then grows until it is not)."""
         codec = self.space.codecs[self.primary]
         ids = codec.encode_text(prompt)
         pieces = [codec.token_bytes[t] or b"" for t in ids]
@@ -244,11 +250,16 @@ class Ensemble:
             if codec.encode_text(rest) == ids[m:]:
                 break
         else:
-            return [(p, None) for p in pieces]
+            return [PromptPiece(p) for p in pieces]
         if not rest:
-            return [(p, None) for p in pieces]
-        (lk,) = self.loglikelihood([(context, rest)])
-        return [(p, None) for p in pieces[:m]] + list(zip(lk.piece_bytes, lk.piece_logprobs))
+            return [PromptPiece(p) for p in pieces]
+        (lk,) = self._score([(context, rest)], chat=False, stepwise=self.scoring == "stepwise", top=top)
+        end = end_text(self.members[self.primary])
+        tops = lk.piece_tops or ((),) * lk.pieces
+        return [PromptPiece(p) for p in pieces[:m]] + [
+            PromptPiece(b, lp, tuple(TopEntry(entry_text(self.space, e, end), self.space.piece(e).hex(), v, end=e == END)
+                                     for e, v in t))
+            for b, lp, t in zip(lk.piece_bytes, lk.piece_logprobs, tops)]
 
     def loglikelihood(self, requests: Seq[tuple[Prompt, str]], *, chat: bool = False,
                       stepwise: bool | None = None) -> list[Likelihood]:
@@ -257,9 +268,12 @@ class Ensemble:
         reference path instead of one-forward scoring (default: the ensemble's ``scoring``)."""
         if stepwise is None:
             stepwise = self.scoring == "stepwise"
+        return self._score(requests, chat=chat, stepwise=stepwise)
+
+    def _score(self, requests: Seq[tuple[Prompt, str]], *, chat: bool, stepwise: bool, top: int = 0) -> list[Likelihood]:
         seqs = [self.open(ctx, chat=chat, index=k) for k, (ctx, _) in enumerate(requests)]
         try:
-            return score(self.decider, seqs, [cont for _, cont in requests], stepwise=stepwise)
+            return score(self.decider, seqs, [cont for _, cont in requests], stepwise=stepwise, top=top)
         finally:
             for s in seqs:
                 self.close(s)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenfuse.combiners.base import Dist
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Sequence
@@ -56,6 +57,8 @@ class Likelihood:
     ensembled: int = 0  # pieces scored by more than one member (fewer than ``pieces`` when gated)
     piece_logprobs: tuple[float, ...] = ()  # each piece's log-probability, in order (they sum to ``logprob``)
     piece_bytes: tuple[bytes, ...] = ()  # each piece's bytes (they concatenate to the continuation)
+    # with ``top``: before each piece, the combined distribution's most likely (union entry, probability)
+    piece_tops: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @property
     def per_byte(self) -> float:
@@ -70,24 +73,40 @@ def primary_pieces(decider: Decider, text: str) -> list[int]:
 
 
 def score(decider: Decider, seqs: list[Sequence], continuations: Seq[str], *,
-          stepwise: bool = False) -> list[Likelihood]:
+          stepwise: bool = False, top: int = 0) -> list[Likelihood]:
     """The likelihood of each continuation after its sequence's context (``seqs``, freshly opened;
-    the caller closes them). ``stepwise`` forces the piece-by-piece path (the reference)."""
+    the caller closes them). ``stepwise`` forces the piece-by-piece path (the reference); ``top``
+    also keeps the combined distribution's ``top`` most likely entries before each piece (the gate's
+    distribution on gated pieces, as in generation)."""
     cuts = [primary_pieces(decider, c) for c in continuations]
     local = all(isinstance(decider.members[i], LocalMember) for i in decider.computed())
     scorer = _one_forward if local and not stepwise else _stepwise
-    per_piece, ensembled = scorer(decider, seqs, cuts)
+    tops: list[list[tuple[tuple[int, float], ...]]] = [[] for _ in seqs]
+    per_piece, ensembled = scorer(decider, seqs, cuts, tops if top > 0 else None, top)
     union = decider.space.union
     return [Likelihood(math.fsum(lps), len(c), len(cont.encode("utf-8")), e, tuple(lps),
-                       tuple(union.pieces[u] for u in c))
-            for lps, c, e, cont in zip(per_piece, cuts, ensembled, continuations)]
+                       tuple(union.pieces[u] for u in c), tuple(t))
+            for lps, c, e, cont, t in zip(per_piece, cuts, ensembled, continuations, tops)]
+
+
+def _keep_tops(decider: Decider, view, members: list[int], tops: list[list] | None, rows: list[int], top: int) -> None:
+    """With ``tops``: append each row's ``top`` most likely combined entries (rows ``rows`` of ``tops``)."""
+    if tops is None:
+        return
+    with decider.timer.stage("combine"):
+        alone = len(members) == 1 and members[0] in view.logprobs
+        dist = Dist(view.project(members[0])) if alone else decider.combiner.combine(view)
+        vals, cols = torch.topk(dist.probs, min(top, dist.probs.shape[-1]), dim=-1)
+    for j, k in enumerate(rows):
+        tops[k].append(tuple((dist.entry(j, c), v) for v, c in zip(vals[j].tolist(), cols[j].tolist()) if v > 0))
 
 
 def _log(p: float) -> float:
     return math.log(p) if p > 0 else float("-inf")
 
 
-def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]]) -> tuple[list[list[float]], list[int]]:
+def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], tops: list[list] | None = None,
+              top: int = 0) -> tuple[list[list[float]], list[int]]:
     per_piece: list[list[float]] = [[] for _ in seqs]
     ensembled = [0] * len(seqs)
     for j in range(max((len(c) for c in cuts), default=0)):
@@ -100,6 +119,7 @@ def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]]) -> 
             view = decider.view(sub, members, decider.forward(members, sub))
             with decider.timer.stage("combine"):
                 got = decider.combiner.piece_probs(view, [entries[r] for r in group]).tolist()
+            _keep_tops(decider, view, members, tops, [rows[r] for r in group], top)
             for r, p in zip(group, got):
                 probs[r] = p
                 ensembled[rows[r]] += len(members) > 1
@@ -110,8 +130,11 @@ def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]]) -> 
     return per_piece, ensembled
 
 
-def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]]) -> tuple[list[list[float]], list[int]]:
+def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], tops: list[list] | None = None,
+                 top: int = 0) -> tuple[list[list[float]], list[int]]:
     computed = decider.computed()
+    if decider.prompt_tau is not None:  # PackLLM weights: each member scores its prompt first (its prefill)
+        decider.score_prompts(seqs)
     # 1. every member's ids before each piece (re-sync needs the bytes only, not the members' outputs)
     before: list[dict[int, list[list[int]]]] = [{i: [] for i in computed} for _ in seqs]
     with decider.timer.stage("resync"):
@@ -137,9 +160,10 @@ def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]]) 
         for group, members in decider.split(outs.get(decider.gate), len(rows)):
             pick = torch.tensor(group)
             states = {i: [SeqState(prompt_ids=[], logprobs=lps[i][r]) for r in group] for i in members}
-            view = decider.states_view(states, members, outs, pick)
+            view = decider.states_view(states, members, outs, pick, seqs=[seqs[rows[r]] for r in group])
             with decider.timer.stage("combine"):
                 got = decider.combiner.piece_probs(view, [cuts[rows[r]][j] for r in group]).tolist()
+            _keep_tops(decider, view, members, tops, [rows[r] for r in group], top)
             for r, p in zip(group, got):
                 probs[r] = p
                 ensembled[rows[r]] += len(members) > 1

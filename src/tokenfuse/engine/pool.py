@@ -12,7 +12,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.base import LocalMember, Member, SeqState, cpu_cores
 
 log = logging.getLogger("tokenfuse.engine")
 T = TypeVar("T")
@@ -62,7 +62,10 @@ class MemberPool:
     """Runs members' forward passes for a list of sequences.
 
     With ``parallel`` each member runs in its own thread (llama.cpp and PyTorch release the GIL, so
-    members overlap); otherwise one after another. ``forward`` returns only when every member it
+    members overlap); otherwise one after another. The CPU cores are shared out per call
+    (``Member.share_cores``): members side by side split them (a member that finishes first leaves
+    its share to those still running), a member running alone (one after another, or the gate on a
+    gated step) gets them all. ``forward`` returns only when every member it
     started has finished, even if one raised, so no member is still touching a sequence's state.
     ``quiesce`` waits for any forward still running (e.g. one abandoned by a caller's exception).
     """
@@ -71,6 +74,7 @@ class MemberPool:
         self.members = list(members)
         self.parallel = parallel
         self.workers = len(self.members) if parallel else 0
+        self.cores = cpu_cores()
         self._threads = (ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="member")
                          if parallel else None)
 
@@ -85,9 +89,27 @@ class MemberPool:
         only when every one has finished, even if one raised."""
         if not which:
             return {}
+        local = [i for i in which if isinstance(self.members[i], LocalMember)]
         if self._threads is None or len(which) == 1:
+            for i in local:  # one at a time: all the cores
+                self.members[i].share_cores(self.cores)
             return {i: work(i) for i in which}
+        running = set(local)
+        lock = threading.Lock()
+
+        def share() -> None:  # the cores split among the local members still running
+            for i in running:
+                self.members[i].share_cores(max(1, self.cores // len(running)))
+
+        def done(i: int) -> None:  # a member that finishes early leaves its cores to the others
+            with lock:
+                running.discard(i)
+                share()
+
+        share()
         futures = {i: self._threads.submit(work, i) for i in which}
+        for i, f in futures.items():
+            f.add_done_callback(lambda _f, i=i: done(i))
         wait(futures.values())  # all finished (even when one raises) before anyone touches the states
         return {i: f.result() for i, f in futures.items()}
 

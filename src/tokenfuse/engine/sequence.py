@@ -45,6 +45,8 @@ class Generation:
         ensembled_steps: steps where more than one member was computed (not the gate alone).
         skipped_steps: ensembled steps decided by agreement skip (every computed member's most
             likely piece was the same).
+        vetoed_steps: ensembled steps where selective ensembling's boundary rule took the primary's
+            piece instead of the combination's (``params.select``).
         finish_reason: ``end`` (END chosen), ``stop`` (a stop string, trimmed) or ``length``.
         member_ids: each member's output ids at the end (they decode to ``output``).
         timings: seconds per stage for the whole call (shared by a batch).
@@ -61,6 +63,7 @@ class Generation:
     timings: dict[str, float] = field(default_factory=dict)
     skipped_steps: int = 0
     trace: tuple[TraceStep, ...] | None = None
+    vetoed_steps: int = 0
 
 
 @dataclass(eq=False)
@@ -78,6 +81,9 @@ class Sequence:
             ensembled / decided by agreement skip.
         finished: ``None`` while running, else ``end``, ``stop``, ``length`` or ``cancelled``.
         trace: the step trace of a traced sequence (``None``: not traced, nothing recorded).
+        prompt_scores: with PackLLM weights, each weighted member's mean log-probability per byte of
+            its prompt (member index -> nats per byte; ``None`` until scored).
+        vetoed: steps where selective ensembling's boundary rule took the primary's piece.
     """
 
     index: int
@@ -94,6 +100,8 @@ class Sequence:
     skipped: int = 0
     finished: str | None = None
     trace: Trace | None = None
+    prompt_scores: dict[int, float] | None = None
+    vetoed: int = 0
     _emitted: int = 0
 
     # ------------------------------------------------------------------ a step
@@ -171,6 +179,7 @@ class Sequence:
             timings=timings or {},
             skipped_steps=self.skipped,
             trace=tuple(self.trace.steps) if self.trace is not None else None,
+            vetoed_steps=self.vetoed,
         )
 
     # ------------------------------------------------------------------ members

@@ -90,6 +90,16 @@ class TopEntry:
 
 
 @dataclass(frozen=True)
+class PromptPiece:
+    """A scored prompt piece (``Ensemble.score_prompt``): its bytes, its log-probability given the
+    pieces before it (``None`` for the first), the combined distribution's most likely entries there."""
+
+    bytes: bytes
+    logprob: float | None = None
+    top: tuple[TopEntry, ...] = ()
+
+
+@dataclass(frozen=True)
 class MemberStep:
     """One member at one step (see the module docstring)."""
 

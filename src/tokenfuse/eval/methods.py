@@ -9,9 +9,16 @@ Method names (``--methods``):
 | ``gac-threshold`` | engine | thresholded GaC (the config's ``gate``/``threshold``, else the primary member at 0.5) |
 | ``unite`` | engine | UniTE (the config's ``params`` if its method is ``unite``) |
 | ``deepen`` | engine | DeePEn, once a combiner named ``deepen`` is registered (skipped otherwise) |
+| ``gac-select`` | engine | GaC with selective ensembling (``params.select``, default 0.5; SAFE-style) |
+| ``gac-conf`` | engine | GaC with per-step confidence weights (``params.confidence``, default ``entropy``) |
+| ``gac-prompt`` | engine | GaC with PackLLM prompt weights (``prompt_weights`` τ 0.1, ``prompt_bytes`` 512) |
 | ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
 | ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
 | ``seq-avg`` | output | likelihood form only: each option scored by the mean of the members' per-byte log-likelihoods |
+
+The adaptive rows (``gac-select``, ``gac-conf``, ``gac-prompt``) take the config's value of each of
+their parameters when its method is ``gac`` and it sets one, else the default in ``ADAPTIVE_ROWS``; they are
+not in the default ``--methods``.
 
 Output-level methods are computed from the ``single`` rows of the same items, so they cost no
 model time (the ``single`` rows are run for them even when ``single`` is not asked for).
@@ -32,7 +39,10 @@ from typing import Any
 
 from tokenfuse.errors import TokenfuseError
 
-ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen")
+# adaptive GaC rows: the parameters each sets and their defaults (combiners.base.AdaptiveParams)
+ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entropy"},
+                 "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512}}
+ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS)
 OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
 ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2])
 DEFAULT_THRESHOLD = 0.5
@@ -90,7 +100,7 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
                 continue
             specs.append(MethodSpec(n, "output", members))
             continue
-        combiner = "gac" if n == "gac-threshold" else n
+        combiner = "gac" if n == "gac-threshold" or n in ADAPTIVE_ROWS else n
         if combiner not in registered:
             log(f"{n}: skipped (no combiner {combiner!r} is registered; available: {', '.join(sorted(registered))})")
             continue
@@ -98,6 +108,12 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
             gate = cfg.gate or primary
             over = {"method": "gac", "gate": gate,
                     "threshold": cfg.threshold if cfg.threshold is not None else DEFAULT_THRESHOLD}
+            if cfg.params.get("select") is not None:
+                over["params"] = {"select": None}  # the gate is this row's own
+        elif n in ADAPTIVE_ROWS:
+            own = cfg.params if cfg.method == "gac" else {}
+            over = {"method": "gac", "gate": None, "threshold": None,
+                    "params": {k: own[k] if own.get(k) is not None else v for k, v in ADAPTIVE_ROWS[n].items()}}
         else:  # the config's params carry over only to its own method (EnsembleConfig.with_overrides)
             over = {"method": n, "gate": None, "threshold": None}
         specs.append(MethodSpec(n, "engine", members, over))

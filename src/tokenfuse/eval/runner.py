@@ -83,8 +83,8 @@ def generate_records(ens, task, items: Sequence[dict], *, chat: bool | str, max_
     per_item = (time.perf_counter() - t0) / max(len(items), 1)
     return [{"id": r.item["id"], "output": r.text, "extracted": r.score.extracted, "correct": bool(r.score.correct),
              "steps": r.generation.steps, "ensembled": r.generation.ensembled_steps,
-             "skipped": r.generation.skipped_steps, "finish": r.generation.finish_reason, "chat": chat,
-             "seconds": round(per_item, 4)} for r in graded]
+             "skipped": r.generation.skipped_steps, "vetoed": r.generation.vetoed_steps,
+             "finish": r.generation.finish_reason, "chat": chat, "seconds": round(per_item, 4)} for r in graded]
 
 
 def argmax(values: Sequence[float]) -> int:

@@ -11,6 +11,7 @@ whose weights are in this process (llama.cpp, transformers): a backend implement
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -145,6 +146,11 @@ class Member(ABC):
         """Log-probabilities of the named next-token ``ids`` (``int64[B, n]``) after ``next_topk`` or
         ``next_logprobs`` ran on the same states; returns ``float32[B, n]``."""
 
+    def share_cores(self, n: int) -> None:
+        """The number of CPU cores its next forward calls may use (the member pool's share: all cores
+        when it runs alone, fewer when members run side by side). A backend whose thread count is
+        fixed, or that does not compute in this process, ignores it; numbers must not depend on it."""
+
     def release(self, state: SeqState) -> None:
         """Free a finished sequence's cache."""
         state.cache = None
@@ -236,6 +242,14 @@ class LocalMember(Member):
         if ends[-1] < len(full):  # feed the rest too: the cache holds the whole sequence afterwards
             self._forward_batch([st])
         return rows
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def kept_logprobs(states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Member backend: a GGUF file run by llama.cpp (llama-cpp-python), quantised as it ships.
 
 Compute runs in llama.cpp; the vocabulary goes through the same byte alignment as every other
-member, from the tokenizer that transformers builds out of the same GGUF file (cached as
-tokenizer.json). Its ids are the GGUF's ids, and a test checks every id's bytes against
+member, from a tokenizer.json built once out of the same GGUF file (``tokenizer_dir``: the bundled
+models' own build, ``tokenfuse.members.gguf_tokenizer``; otherwise transformers' conversion, cached). Its ids are the GGUF's ids, and a test checks every id's bytes against
 llama.cpp's own ``token_to_piece``.
 
 Each sequence gets its own llama.cpp context from a per-member pool (contexts share the loaded
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from tokenfuse.errors import ModelLoadError, ModelNotInstalledError
-from tokenfuse.members.base import LocalMember, SeqState
+from tokenfuse.members.base import LocalMember, SeqState, cpu_cores
 from tokenfuse.members.codec import load_or_build_codec
 from tokenfuse.members.embeddings import EmbeddingRows
 
@@ -49,15 +49,16 @@ PIP_LLAMACPP = 'pip install "llama-cpp-python==0.3.36"'
 # file descriptors; two threads doing that at once leave them pointing at /dev/null for good.
 # Model and context creation therefore take this lock (members may be loaded in threads).
 _LOAD_LOCK = threading.Lock()
-# A live sequence's cache is copied for a new one only when that saves more than this many ids
-# over the best pooled context (copying costs about as much as feeding a few ids).
-COPY_MIN = 16
+
 # llama.cpp's CPU kernels compute a decode call of fewer than BLOCK ids differently from a longer one
 # and group the rows of a longer one from its first position (scripts/measure_split.py). A cached
 # prefix is therefore reused only where that gives a fresh prefill's very numbers: up to a multiple
 # of BLOCK, within the positions the cache computed as a fresh prefill does (``_Slot.exact``), with at
 # least BLOCK ids left to feed; and long feeds are cut at absolute multiples of ``n_batch``.
 BLOCK = 8
+# A live sequence's cache is copied for a new one when that saves at least this many ids over the
+# best pooled context: one block (copying a short cache takes a few ms, feeding a block tens of ms).
+COPY_MIN = BLOCK
 
 
 def import_llama_cpp():
@@ -112,6 +113,7 @@ class _Slot:
         self.batch = batch
         self.n = 0  # positions in the cache
         self.exact = 0  # positions [0, exact) were computed as a fresh prefill computes them (BLOCK)
+        self.threads = 0  # the thread count last set on its context
         self.owner: SeqState | None = None  # the live sequence using it; None while pooled
         self.ids: list[int] = []  # while pooled: the ids its cache still holds (prefix reuse)
 
@@ -158,11 +160,12 @@ class LlamaCppMember(LocalMember):
         try:
             with _LOAD_LOCK:
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                                 n_threads=n_threads or max(1, os.cpu_count() or 1), logits_all=False,
+                                 n_threads=n_threads or cpu_cores(), logits_all=False,
                                  swa_full=True, verbose=False)
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
+        self.fixed_threads = n_threads  # None: the member pool's share of the cores (``share_cores``)
         self._init_state(prefix_cache=prefix_cache, multi_seq=multi_seq, n_ctx=n_ctx)
         self._free = [self._new_slot(self.llm._ctx)]  # pooled contexts, least recently used first
         eos = [self.llm.token_eos()]
@@ -179,7 +182,7 @@ class LlamaCppMember(LocalMember):
         byte tables are shared, the contexts (and so every KV cache) are its own."""
         m = cls.__new__(cls)
         m.name, m.tokenizer, m.weight, m.path, m.n_batch = name, other.tokenizer, float(weight), other.path, other.n_batch
-        m.llm, m._lib, m.codec = other.llm, other._lib, other.codec
+        m.llm, m._lib, m.codec, m.fixed_threads = other.llm, other._lib, other.codec, other.fixed_threads
         m._init_state(prefix_cache=other.prefix_cache, multi_seq=other.multi_seq, n_ctx=other.context_length)
         return m
 
@@ -195,6 +198,19 @@ class LlamaCppMember(LocalMember):
         self._multi: _Slot | None = None
         self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
         self.context_length = n_ctx
+        self.threads = self.fixed_threads or cpu_cores()
+
+    def share_cores(self, n: int) -> None:
+        """Use ``n`` threads from the next call on, unless ``n_threads`` was set (llama.cpp's numbers do
+        not depend on the thread count: tests/test_llamacpp.py checks it bit for bit)."""
+        if self.fixed_threads is None:
+            self.threads = max(1, int(n))
+
+    def _threads_on(self, slot: _Slot) -> None:
+        """Give ``slot``'s context the member's current thread count."""
+        if slot.threads != self.threads:
+            self._lib.llama_set_n_threads(slot.ctx.ctx, self.threads, self.threads)
+            slot.threads = self.threads
 
     def _control_ids(self) -> list[int]:
         """Ids the GGUF marks as control / unused / unknown: not text, whatever their spelling."""
@@ -235,6 +251,7 @@ class LlamaCppMember(LocalMember):
                 ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
             self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
         ctx, batch = self._multi.ctx, self._multi.batch
+        self._threads_on(self._multi)
         work = []
         for st in states:
             if st.cache is None:
@@ -284,7 +301,7 @@ class LlamaCppMember(LocalMember):
             live = [(_reusable(_common_prefix(sl.cached_ids(), ids, limit), sl.exact, len(ids), limit), sl)
                     for sl in self._busy]
             donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
-            if donor is not None and donor_n > reuse + COPY_MIN:
+            if donor is not None and donor_n >= reuse + COPY_MIN:
                 slot = self._least_recent()  # gets a copy of the live context's cache
                 copied = self._copy_cache(donor, slot)
                 reuse = donor_n if copied else 0
@@ -335,6 +352,7 @@ class LlamaCppMember(LocalMember):
                 st.n_valid = 0
             slot.n = st.n_valid
             slot.exact = min(slot.exact, slot.n)
+        self._threads_on(slot)
         ids = st.all_ids()
         self.prefix_stats["fed"] += len(ids) - slot.n
         want = {n - 1 for n in ends}  # positions whose next-token logits are asked for
@@ -357,7 +375,7 @@ class LlamaCppMember(LocalMember):
     def _logprobs(self, ctx: Any, i: int) -> torch.Tensor:
         """Log-softmax of the logits llama.cpp kept for batch position ``i``."""
         logits = np.ctypeslib.as_array(ctx.get_logits_ith(i), shape=(self.n_vocab,))
-        return torch.log_softmax(torch.from_numpy(logits.copy()), dim=-1)
+        return torch.log_softmax(torch.from_numpy(logits), dim=-1)  # a new tensor: llama.cpp's buffer is only read
 
     def release(self, state: SeqState) -> None:
         if self.multi_seq and isinstance(state.cache, list):

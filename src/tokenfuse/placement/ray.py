@@ -12,6 +12,14 @@ Actors are placed with a placement group, one bundle per member with its ``num_c
 ``num_gpus``, ``PACK`` (as few nodes as possible) or ``SPREAD`` (one member per node where it
 can). ``ray.init`` is called only by ``load_ray_members`` and only when Ray is not initialised:
 start Ray (or connect to a cluster) yourself first to choose its options.
+
+Faults: a call to a dead actor raises ``MemberUnavailableError`` (the server answers 503
+``member_unavailable`` or, with ``on_member_failure: skip``, goes on without the member). With
+``max_restarts`` Ray restarts a dead actor (the factory loads the member again) and sends it the
+calls it had not answered; a restarted actor holds no sequence, so it answers them with
+``LostSequences`` and the driver sends every sequence again whole (prompt and every id): the step
+goes on, later by the reload. ``call_timeout`` bounds every call (an actor that cannot be placed
+again would otherwise be waited for without end).
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ def import_ray():
     return ray
 
 
+class LostSequences(Exception):
+    """The actor does not hold sequences the driver thinks it does (it was restarted)."""
+
+
 class MemberActor:
     """The actor side: one member and its sequences, keyed by the driver's sequence keys."""
 
@@ -56,6 +68,9 @@ class MemberActor:
 
     def _sync(self, updates: list[tuple[int, list[int] | None, int, list[int]]]) -> list[SeqState]:
         """Bring each sequence's ids up to the driver's: keep the first ``n_valid``, append the tail."""
+        lost = [key for key, prompt, _, _ in updates if prompt is None and key not in self.states]
+        if lost:
+            raise LostSequences(lost)
         states = []
         for key, prompt, n_valid, tail in updates:
             st = self.states.get(key)
@@ -75,6 +90,8 @@ class MemberActor:
         return self.member.next_logprobs(self._sync(updates)).numpy()
 
     def token_logprobs(self, keys: list[int], ids: np.ndarray) -> np.ndarray:
+        if any(k not in self.states for k in keys):
+            raise LostSequences([k for k in keys if k not in self.states])
         states = [self.states[k] for k in keys]
         return self.member.token_logprobs(states, torch.from_numpy(ids)).numpy()
 
@@ -94,9 +111,10 @@ class RayMember(Member):
     """The driver side of a member that runs in a Ray actor (same contract as a local member).
 
     Its weights stay in the actor: ``embedding_rows`` / ``input_embeddings`` (DeePEn) raise.
+    ``call_timeout``: seconds any one call may take (``None``: no limit).
     """
 
-    def __init__(self, actor: Any, info: dict) -> None:
+    def __init__(self, actor: Any, info: dict, *, call_timeout: float | None = None) -> None:
         self.actor = actor
         self.name = info["name"]
         self.weight = float(info["weight"])
@@ -105,12 +123,16 @@ class RayMember(Member):
         self.tokenizer = info["tokenizer"]
         self.context_length = info["context_length"]
         self.load_seconds = info["load_seconds"]
+        self.call_timeout = call_timeout
         self._keys = itertools.count()
+        self._fresh = 0  # sequence keys below this one may be gone from the actor (it failed)
 
     def _updates(self, states: Sequence[SeqState]) -> list:
         out = []
         for st in states:
-            first = st.cache is None
+            first = st.cache is None or st.cache < self._fresh  # (again) new to the actor: sent whole
+            if first and st.cache is not None:
+                self.actor.release.remote([st.cache])  # in case it still holds it (a call that timed out)
             if first:
                 st.cache, st.n_valid = next(self._keys), 0
             out.append((st.cache, st.prompt_ids if first else None, st.n_valid, st.all_ids()[st.n_valid:]))
@@ -119,21 +141,39 @@ class RayMember(Member):
     def _call(self, method: str, *args):
         ray = import_ray()
         try:
-            return ray.get(getattr(self.actor, method).remote(*args))
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.call_timeout)
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, LostSequences):
+                raise LostSequences(*err.cause.args) from None
+            raise
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.GetTimeoutError) as err:
+            self._fresh = next(self._keys)  # a restarted actor holds none of the sequences it had
             raise MemberUnavailableError(self.name, f"its Ray actor failed: {type(err).__name__}") from None
+
+    def _step(self, method: str, states: Sequence[SeqState], *args):
+        """``method`` on the states' updates; when the actor was restarted unseen (between two calls),
+        once more with every sequence sent whole."""
+        try:
+            return self._call(method, self._updates(states), *args)
+        except LostSequences:
+            self._fresh = next(self._keys)
+        try:
+            return self._call(method, self._updates(states), *args)
+        except LostSequences:
+            raise MemberUnavailableError(self.name, "its Ray actor lost the sequences sent again") from None
 
     def _done(self, states: Sequence[SeqState]) -> None:
         for st in states:
             st.n_valid = st.logprobs_len = st.length
 
     def next_topk(self, states: Sequence[SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lp, ids = self._call("topk", self._updates(states), k)
+        lp, ids = self._step("topk", states, k)
         self._done(states)
         return _tensor(lp), _tensor(ids)
 
     def next_logprobs(self, states: Sequence[SeqState]) -> torch.Tensor:
-        out = _tensor(self._call("logprobs", self._updates(states)))
+        out = _tensor(self._step("logprobs", states))
         for st, row in zip(states, out):
             st.logprobs = row  # kept for tie-breaks and token_logprobs, as a local member does
         self._done(states)
@@ -142,7 +182,11 @@ class RayMember(Member):
     def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
         if all(st.logprobs is not None and st.logprobs_len == st.length for st in states):
             return kept_logprobs(states, ids)
-        return _tensor(self._call("token_logprobs", [st.cache for st in states], ids.numpy()))
+        try:
+            return _tensor(self._call("token_logprobs", [st.cache for st in states], ids.numpy()))
+        except LostSequences:  # restarted since this step's forward: the step cannot be finished
+            self._fresh = next(self._keys)
+            raise MemberUnavailableError(self.name, "its Ray actor was restarted during a step") from None
 
     def release(self, state: SeqState) -> None:
         if state.cache is not None:
@@ -157,11 +201,14 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
 
 
 def place_members(factories: Sequence[Callable[[], Member]], *, num_cpus: Sequence[float],
-                  num_gpus: Sequence[float], strategy: str = "PACK", timeout: float = 600.0) -> list[RayMember]:
+                  num_gpus: Sequence[float], strategy: str = "PACK", timeout: float = 600.0,
+                  max_restarts: int = 0, call_timeout: float | None = None) -> list[RayMember]:
     """Start one actor per member factory inside one placement group; Ray must be initialised.
 
     ``factories`` are called inside the actors (they are pickled: use module-level functions or
-    ``functools.partial``), so the driver never loads the weights.
+    ``functools.partial``), so the driver never loads the weights. ``max_restarts``: how often Ray
+    restarts a dead actor (-1: always); ``call_timeout``: seconds one call may take (see the module
+    docstring: set it with restarts).
     """
     ray = import_ray()
     from ray.util.placement_group import placement_group
@@ -175,12 +222,13 @@ def place_members(factories: Sequence[Callable[[], Member]], *, num_cpus: Sequen
                                                   f"{timeout:.0f} s; cluster resources: {ray.cluster_resources()}")
     cls = _actor_class()
     actors = [
-        cls.options(num_cpus=c, num_gpus=g, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=i)).remote(f, max(1, int(c)))
+        cls.options(num_cpus=c, num_gpus=g, max_restarts=max_restarts, max_task_retries=max_restarts,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=i)).remote(f, max(1, int(c)))
         for i, (f, c, g) in enumerate(zip(factories, num_cpus, num_gpus))
     ]
     infos = ray.get([a.info.remote() for a in actors])
-    members = [RayMember(a, info) for a, info in zip(actors, infos)]
+    members = [RayMember(a, info, call_timeout=call_timeout) for a, info in zip(actors, infos)]
     for m in members:
         m.placement_group = pg
     return members
@@ -196,4 +244,5 @@ def load_ray_members(cfg, *, root: Path, progress: bool = True) -> list[RayMembe
     factories = [functools.partial(load_member, m, root=root, progress=False, index=i)
                  for i, m in enumerate(cfg.members)]
     return place_members(factories, num_cpus=[m.num_cpus for m in cfg.members],
-                         num_gpus=[m.num_gpus for m in cfg.members], strategy=cfg.placement_strategy)
+                         num_gpus=[m.num_gpus for m in cfg.members], strategy=cfg.placement_strategy,
+                         max_restarts=cfg.ray_max_restarts, call_timeout=cfg.ray_call_timeout)

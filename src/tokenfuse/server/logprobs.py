@@ -3,7 +3,8 @@
 
 - ``/v1/completions`` (legacy): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``;
   ``top_logprobs`` entries are ``{token: logprob}`` objects; with ``echo`` the prompt's pieces come
-  first (their first entry ``null``).
+  first (their first entry ``null``), each with the combined distribution's alternatives at that
+  point of the prompt (teacher forcing, ``Ensemble.score_prompt``).
 - ``/v1/chat/completions``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 
 One entry per chosen piece, from the distribution the piece was chosen from (see
@@ -20,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenfuse.engine.trace import TopEntry, TraceOptions, TraceStep
+from tokenfuse.engine.trace import PromptPiece, TopEntry, TraceOptions, TraceStep
 
 FLOOR = -9999.0  # the log-probability written for probability 0
 
@@ -50,8 +51,9 @@ class Asked:
                    echo=not chat and bool(getattr(body, "echo", False)))
 
     @property
-    def score_prompt(self) -> bool:
-        return self.echo and self.logprobs is not None
+    def score_prompt(self) -> int | None:
+        """With ``echo`` + ``logprobs``: how many alternatives each scored prompt piece shows; else ``None``."""
+        return self.logprobs if self.echo else None
 
     def trace_options(self) -> TraceOptions | None:
         """What the sequences record (``None``: nothing, the engine's zero-cost path)."""
@@ -95,14 +97,14 @@ def _top_dict(top: Sequence[TopEntry], n: int) -> dict[str, float]:
     return d
 
 
-def prompt_texts(pieces: Sequence[tuple[bytes, float | None]]) -> list[str]:
+def prompt_texts(pieces: Sequence[PromptPiece]) -> list[str]:
     """The prompt pieces as text (a character split across pieces goes with the piece that ends it)."""
     dec = codecs.getincrementaldecoder("utf-8")("replace")
-    return [dec.decode(b, final=k == len(pieces) - 1) for k, (b, _) in enumerate(pieces)]
+    return [dec.decode(p.bytes, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
 
 
 def legacy(steps: Sequence[TraceStep], n: int, *, offset: int = 0,
-           prompt: Sequence[tuple[bytes, float | None]] | None = None) -> dict:
+           prompt: Sequence[PromptPiece] | None = None) -> dict:
     """A ``/v1/completions`` ``logprobs`` object: the echoed ``prompt`` pieces (if any), then the
     steps; ``text_offset`` counts characters of the choice's text from ``offset``."""
     tokens: list[str] = []
@@ -111,11 +113,10 @@ def legacy(steps: Sequence[TraceStep], n: int, *, offset: int = 0,
     offsets: list[int] = []
     at = offset
     if prompt:
-        for text, (_, lp) in zip(prompt_texts(prompt), prompt):
+        for text, p in zip(prompt_texts(prompt), prompt):
             tokens.append(text)
-            lps.append(logprob(lp))
-            # teacher forcing gives the piece's probability, not the whole distribution: the piece alone
-            tops.append(None if lp is None else ({text: logprob(lp)} if n else {}))
+            lps.append(logprob(p.logprob))
+            tops.append(None if p.logprob is None else _top_dict(p.top, n))
             offsets.append(at)
             at += len(text)
     for token, s in _shown(steps):

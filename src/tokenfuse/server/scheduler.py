@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tokenfuse.engine import Ensemble, Prompt, Sequence
 from tokenfuse.engine.sampling import Sampling
-from tokenfuse.engine.trace import TraceOptions, TraceStep
+from tokenfuse.engine.trace import PromptPiece, TraceOptions, TraceStep
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.server.ensembles import EnsemblePool
 
@@ -59,9 +59,9 @@ class Job:
     post: Callable[[Update], None]
     truncate: bool = False
     trace: TraceOptions | None = None  # record the steps (for the trace or log-probabilities)
-    score_prompt: bool = False  # echo + logprobs: score the prompt's pieces (``prompt_logprobs``)
+    score_prompt: int | None = None  # echo + logprobs: score the prompt's pieces with this many alternatives
     # owned by the scheduler thread (``prompt_logprobs`` is set before the ``opened`` update)
-    prompt_logprobs: list[tuple[bytes, float | None]] | None = None
+    prompt_logprobs: list[PromptPiece] | None = None
     ens: Ensemble | None = None
     seq: Sequence | None = None
     skipped: set[str] = field(default_factory=set)
@@ -199,9 +199,9 @@ class Scheduler:
                 raise ContextError(f"the prompt cannot be truncated to fit member {name!r}'s context of {ctx}")
         else:
             raise ContextError("the prompt could not be truncated to fit every member's context")
-        if job.score_prompt:
+        if job.score_prompt is not None:
             try:
-                job.prompt_logprobs = job.ens.prompt_logprobs(prompt)
+                job.prompt_logprobs = job.ens.score_prompt(prompt, top=job.score_prompt)
             except BaseException:
                 job.ens.close(seq)
                 raise

@@ -1,0 +1,93 @@
+"""Does a llama.cpp member's next-token distribution depend on what else is in its decode batch?
+
+Step batching (one decode call per member per step for every running sequence) keeps the
+"batch = one by one" guarantee only if it does not. For each bundled member this prefills four
+prompts as four sequences of one context (``n_seq_max`` 8; unified and per-sequence KV cache),
+then decodes their next token in calls of different composition, and prints the largest
+|Δ logit| of a sequence's row between: alone in the multi-sequence context and alone in its own
+context; in a 4-row batch and alone; a 4-row batch and the same rows reversed; an 8-row batch and
+a 4-row one; an 8-row batch and the same reversed; an 8-row call shared with 7 rows of another
+sequence's feed and the 8-row batch. 0 everywhere means batching cannot change an output.
+
+Usage: .venv/bin/python scripts/measure_batch_invariance.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenfuse.bundled import DEFAULT_ENSEMBLE
+from tokenfuse.config import MemberConfig
+from tokenfuse.load import load_member
+
+PROMPTS = ["Question: What is the capital of France?\nAnswer: The capital",
+           "def fibonacci(n):\n    if n < 2:\n        return",
+           "The quick brown fox jumps over the lazy dog and then",
+           "Once upon a time there was a little girl who lived in a"]
+NS = 8
+
+
+class Probe:
+    def __init__(self, member) -> None:
+        from llama_cpp._internals import LlamaBatch
+
+        self.m = member
+        self.ids = [member.encode_prompt(p) for p in PROMPTS]
+        self.batch = LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
+
+    def context(self, n_seq: int, unified: bool):
+        from llama_cpp._internals import LlamaContext
+
+        params = type(self.m.llm.context_params).from_buffer_copy(self.m.llm.context_params)
+        params.n_seq_max, params.kv_unified, params.n_ctx = n_seq, unified, 512 * n_seq
+        return LlamaContext(model=self.m.llm._model, params=params, verbose=False)
+
+    def decode(self, ctx, rows) -> None:
+        b = self.batch.batch
+        for j, (tok, pos, seq, want) in enumerate(rows):
+            b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j], b.logits[j] = tok, pos, seq, 1, want
+        b.n_tokens = len(rows)
+        ctx.decode(self.batch)
+
+    def last(self, seq: int):
+        ids = self.ids[seq % len(PROMPTS)]
+        return ids[-1], len(ids) - 1, seq, True
+
+    def run(self, ctx, seqs, rows) -> dict[int, np.ndarray]:
+        """Prefill ``seqs`` (all but their last id, each alone), then decode ``rows`` in one call."""
+        for s in range(NS):
+            ctx.kv_cache_seq_rm(s, 0, -1)
+        for s in seqs:
+            self.decode(ctx, [(t, p, s, False) for p, t in enumerate(self.ids[s % len(PROMPTS)][:-1])])
+        self.decode(ctx, rows)
+        return {r[2]: np.ctypeslib.as_array(ctx.get_logits_ith(j), shape=(self.m.n_vocab,)).copy()
+                for j, r in enumerate(rows) if r[3]}
+
+
+def diff(a: dict, b: dict) -> float:
+    return max(float(np.abs(a[s] - b[s]).max()) for s in a if s in b)
+
+
+def main() -> None:
+    for name in DEFAULT_ENSEMBLE:
+        m = load_member(MemberConfig(name=name, prefix_cache=False, n_threads=1), progress=False)
+        p = Probe(m)
+        own = p.run(p.context(1, False), [0], [p.last(0)])
+        extra = m.codec.encode_text(" and the rest of the story goes like this")[:6]
+        feed = [(t, len(p.ids[1]) - 1 + j, 1, False) for j, t in enumerate([p.ids[1][-1]] + extra)]
+        for unified in (False, True):
+            ctx = p.context(NS, unified)
+            alone = p.run(ctx, [0], [p.last(0)])
+            four = p.run(ctx, range(4), [p.last(s) for s in range(4)])
+            four_rev = p.run(ctx, range(4), [p.last(s) for s in reversed(range(4))])
+            eight = p.run(ctx, range(8), [p.last(s) for s in range(8)])
+            eight_rev = p.run(ctx, range(8), [p.last(s) for s in reversed(range(8))])
+            shared = p.run(ctx, [0, 1], [p.last(0)] + feed)
+            print(f"{name:30s} {'unified' if unified else 'per-seq'} KV: own context {diff(alone, own):.3g}  "
+                  f"4-row vs alone {diff(four, alone):.3g}  4-row reversed {diff(four, four_rev):.3g}  "
+                  f"8-row vs 4-row {diff(eight, four):.3g}  8-row reversed {diff(eight, eight_rev):.3g}  "
+                  f"8-row with another's feed {diff(shared, eight):.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
