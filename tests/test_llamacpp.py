@@ -87,13 +87,7 @@ SHOTS = ("Question: Which of these is a bird? Options: eagle, bat, bee, fly.\nAn
 
 
 def _fresh(m, text):
-    st = m.new_state(m.encode_prompt(text))
-    saved, m.prefix_cache = m.prefix_cache, False
-    try:
-        return m.next_logprobs([st])[0]
-    finally:
-        m.release(st)
-        m.prefix_cache = saved
+    return _fresh_ids(m, m.encode_prompt(text))
 
 
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])

@@ -111,12 +111,6 @@ class StepView:
         with self.stage("align"):
             return self.space.project(i, self.logprobs[i])
 
-    def live_weights(self) -> list[tuple[int, float]]:
-        """The computed members with a positive weight and their normalised weights."""
-        live = [(i, w) for i, w in zip(self.members, self.weights) if w > 0]
-        total = sum(w for _, w in live)
-        return [(i, w / total) for i, w in live]
-
     def token_logprobs(self, i: int, ids: torch.Tensor) -> torch.Tensor:
         """Member ``i``'s log-probabilities of named ids ``int64[R, n]`` (the member contract)."""
         return self.models[i].token_logprobs(self.states[i], ids)

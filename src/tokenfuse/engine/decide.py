@@ -191,11 +191,7 @@ class Decider:
         if combined:
             view = self.view([seqs[r] for r in combined], members, outs,
                              None if len(combined) == len(seqs) else torch.tensor(combined))
-            with self.timer.stage("combine"):
-                if len(members) == 1 and members[0] in view.logprobs:
-                    dist = Dist(view.project(members[0]))  # a member alone
-                else:
-                    dist = self.combiner.combine(view)
+            dist = self.distribution(view, members)
             with self.timer.stage("choose"):
                 chosen = {r: self.choose(dist, j, seqs[r]) for j, r in enumerate(combined) if result[r] is None}
                 if self.boundary and ens and chosen:
@@ -207,6 +203,13 @@ class Decider:
                     if seqs[r].trace is not None:
                         result[r] = self._traced(result[r], dist, j, outs, r, seqs[r])
         return result
+
+    def distribution(self, view: StepView, members: list[int]) -> Dist:
+        """The group's next-piece distribution: a member alone gives its own, several the combiner's."""
+        with self.timer.stage("combine"):
+            if len(members) == 1 and members[0] in view.logprobs:
+                return Dist(view.project(members[0]))
+            return self.combiner.combine(view)
 
     def word_boundary(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
                       chosen: dict[int, int]) -> dict[int, int]:

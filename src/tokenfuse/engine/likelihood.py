@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenfuse.combiners.base import Dist
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Sequence
@@ -93,10 +92,8 @@ def _keep_tops(decider: Decider, view, members: list[int], tops: list[list] | No
     """With ``tops``: append each row's ``top`` most likely combined entries (rows ``rows`` of ``tops``)."""
     if tops is None:
         return
-    with decider.timer.stage("combine"):
-        alone = len(members) == 1 and members[0] in view.logprobs
-        dist = Dist(view.project(members[0])) if alone else decider.combiner.combine(view)
-        vals, cols = torch.topk(dist.probs, min(top, dist.probs.shape[-1]), dim=-1)
+    dist = decider.distribution(view, members)
+    vals, cols = torch.topk(dist.probs, min(top, dist.probs.shape[-1]), dim=-1)
     for j, k in enumerate(rows):
         tops[k].append(tuple((dist.entry(j, c), v) for v, c in zip(vals[j].tolist(), cols[j].tolist()) if v > 0))
 
