@@ -288,3 +288,81 @@ def test_prompt_form_follows_the_members_templates():
     assert prompt_form([member("{{x}}"), member("{{y}}")]) is True
     assert prompt_form([member(None)]) is False
     assert prompt_form([member("{{x}}"), member(None)]) == "mixed"
+
+
+# ---------------------------------------------------------------------------------------- auto
+def _dev(accs: dict[str, list[int]]) -> dict[str, list[dict]]:
+    return {m: [_rec(i, bool(c)) for i, c in enumerate(cs)] for m, cs in accs.items()}
+
+
+def test_auto_candidates_follow_the_dev_accuracies():
+    from tokenfuse.config import parse_config
+    from tokenfuse.eval.auto import THRESHOLDS, candidates
+
+    cfg = parse_config({"members": [{"name": "a"}, {"name": "b", "weight": 2.0}, {"name": "c"}]})
+    dev = _dev({"single:a": [1] * 6 + [0] * 4, "single:b": [1] * 8 + [0] * 2, "single:c": [1] * 3 + [0] * 7})
+    specs = {s.name: s for s in candidates(cfg, dev)}
+    assert list(specs) == [f"auto:gated@{t:g}" for t in THRESHOLDS]  # a is 20 points behind b: nothing kept
+    gated = cfg.with_overrides(**specs["auto:gated@0.7"].overrides)
+    assert (gated.method, gated.gate, gated.threshold, gated.primary_name) == ("gac", "b", 0.7, "b")
+    dev.update(_dev({"single:a": [1] * 7 + [0] * 3}))  # now within 10 points of b: UniTE's rule keeps a and b
+    specs = {s.name: s for s in candidates(cfg, dev)}
+    kept = cfg.with_overrides(**specs["auto:unite@kept"].overrides)
+    assert [(m.name, m.weight) for m in kept.members] == [("a", 1.0), ("b", 2.0), ("c", 0.0)]
+    assert (kept.method, kept.primary_name, kept.gate) == ("unite", "b", None) and "auto:gac@kept" in specs
+
+
+def test_auto_choice_needs_a_clear_gain_on_dev():
+    from tokenfuse.eval.auto import choose
+
+    dev = _dev({"single:a": [1] * 30 + [0] * 30, "single:b": [1] * 20 + [0] * 40,
+                "gac": [1] * 31 + [0] * 29, "vote": [1] * 29 + [0] * 31})
+    c = choose(dev)
+    assert (c.best_single, c.challenger, c.chosen, c.n) == ("single:a", "gac", "single:a", 60)  # +1.7: not clear
+    assert c.gain[0] == pytest.approx(1 / 60) and c.gain[1] <= 0 < c.gain[2]
+    dev.update(_dev({"gac": [1] * 30 + [1] * 12 + [0] * 18}))  # right wherever a is, and 12 more
+    c = choose(dev)
+    assert c.chosen == "gac" and c.gain[1] > 0 and c.as_dict()["dev_acc"]["gac"] == 0.7
+    assert choose(_dev({"single:a": [1, 0], "single:b": [1, 1]})).chosen == "single:b"
+
+
+def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path, monkeypatch):
+    from tokenfuse.engine import Ensemble
+    from tokenfuse.eval.auto import THRESHOLDS, choose
+    from tokenfuse.eval.records import read_records
+
+    members, union = tiny_pair
+    (data_dir / "arc" / "easy_dev.jsonl").write_text("".join(
+        json.dumps({**r, "id": f"dev-{r['id']}"}) + "\n" for r in ARC), encoding="utf-8")
+    cfg = config_from_models("s,q")
+    out = tmp_path / "out"
+    settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods=["single", "gac", "auto"], limit=3,
+                            data=str(data_dir), out=str(out), batch_size=2, num_fewshot=0,
+                            max_new_tokens={"triviaqa": 2}, progress=False, dev_limit=3)
+    res = run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
+    assert set(res["auto"]) == {"arc_easy", "triviaqa"} and "auto" in res["overview"]
+    for task, form in (("arc_easy", "likelihood"), ("triviaqa", "generate")):
+        dev_dir = out / "items" / f"{task}-{form}-dev"
+        files = {p.stem.replace("__", ":"): list(read_records(p).values()) for p in dev_dir.iterdir()}
+        order = ["single:s", "single:q", "gac", "seq-avg", *(f"auto:gated@{t:g}" for t in THRESHOLDS),
+                 "auto:gac@kept", "auto:unite@kept"]  # the table's rows, then the candidates, as the runner has them
+        assert set(files) <= set(order) and {"single:s", "single:q", "gac", "auto:gated@0.5"} <= set(files)
+        dev = {m: files[m] for m in order if m in files}
+        assert all(len(r) == 3 for r in dev.values())
+        test_ids = set(read_records(out / "items" / f"{task}-{form}" / "gac.jsonl"))
+        assert not test_ids & {r["id"] for r in dev["gac"]} or task == "triviaqa"  # TriviaQA's fixture repeats them
+        expected = choose(dev)
+        assert res["auto"][task]["chosen"] == expected.chosen
+        chosen_file = out / "items" / f"{task}-{form}" / (expected.chosen.replace(":", "__") + ".jsonl")
+        auto = read_records(out / "items" / f"{task}-{form}" / "auto.jsonl")
+        assert {i: r["correct"] for i, r in auto.items()} == {i: r["correct"] for i, r in read_records(chosen_file).items()}
+        assert {r["chosen"] for r in auto.values()} == {expected.chosen}
+    assert "`auto`'s choice per task" in (out / "results.md").read_text()
+
+    def boom(*a, **k):
+        raise AssertionError("a finished item ran again")
+
+    monkeypatch.setattr(Ensemble, "generate", boom)
+    monkeypatch.setattr(Ensemble, "loglikelihood", boom)
+    again = run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
+    assert again["auto"] == res["auto"] and again["tasks"] == res["tasks"]

@@ -147,3 +147,33 @@ def test_one_forward_equals_stepwise_on_any_text(tiny_trio, text):
 def tiny_trio(make_tiny, one_thread):
     ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2), make_tiny("qwen", seed=3)]
     return Ensemble(ms, primary=ms[0].name)
+
+
+def test_row_memo_shares_the_members_forwards_and_changes_no_number(make_tiny, one_thread, monkeypatch, tmp_path):
+    """Rows scoring the same requests with one memo (as ``tokenfuse eval`` does per batch): a member
+    fed the same ids (same primary's cuts) computes once; every likelihood is the one computed alone."""
+    from tokenfuse.engine import RowMemo
+
+    ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2), make_tiny("qwen", seed=3)]
+    rows = [Ensemble.single(ms[1]), _ensemble(ms, "gac"), _ensemble(ms, "unite"),
+            _ensemble(ms, "deepen", align_cache=tmp_path), _ensemble(ms, "gac-gated"), Ensemble.single(ms[0])]
+    requests = [(CONTEXT, c) for c in STRADDLE]
+    calls = {m.name: 0 for m in ms}
+    for m in ms:
+        original = m._forward_at
+        monkeypatch.setattr(m, "_forward_at", lambda st, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(st, ends))
+    alone, each = [], []
+    for ens in rows:
+        before = dict(calls)
+        alone.append(ens.loglikelihood(requests))
+        each.append({k: calls[k] - before[k] for k in calls})
+    calls.update(dict.fromkeys(calls, 0))
+    memo = RowMemo()
+    shared = [ens.loglikelihood(requests, memo=memo) for ens in rows]
+    assert shared == alone  # exactly: the memo's rows are the ones the same forward gives
+    # the primary ms[1] computes once for the five rows cutting by it; ms[2] once for the four
+    # ensembles; ms[0] once for them and, alone (its own cuts), again where its ids differ
+    assert each[0][ms[1].name] > 0 and each[1][ms[0].name] > 0 and each[5][ms[0].name] > 0
+    assert (calls[ms[1].name], calls[ms[2].name]) == (each[0][ms[1].name], each[1][ms[2].name])
+    assert each[1][ms[0].name] < calls[ms[0].name] <= each[1][ms[0].name] + each[5][ms[0].name]
+    assert memo.hits + memo.misses == 14 * len(requests) and len(memo) == memo.misses <= 4 * len(requests)

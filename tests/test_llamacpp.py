@@ -333,3 +333,18 @@ def test_thread_count_does_not_change_the_numbers(llamacpp_members, family):
     (a1, c1), (a2, c2) = got[1][0], got[2][0]
     assert bool((a1 == a2).all()) and bool((c1 == c2).all())
     assert bool((got[1][1][0] == a1).all())
+
+
+def test_rows_sharing_a_memo_give_the_numbers_each_gives_alone(llamacpp_members):
+    """``tokenfuse eval``'s rows share the members' forwards per batch (``RowMemo``): on the real
+    members (prefix cache on, as by default) every row's likelihoods are identical to its own run."""
+    from tokenfuse.engine import RowMemo
+
+    ms = [llamacpp_members[f] for f in ("smollm2", "gemma3", "qwen")]
+    rows = [Ensemble.single(ms[0]), Ensemble(ms), Ensemble(ms, method="unite"),
+            Ensemble(ms, gate=ms[0].name, threshold=0.5), Ensemble.single(ms[2])]
+    requests = [("Question: Which is a liquid?\nAnswer:", c) for c in (" water", " a rock that melts", " wood")]
+    alone = [ens.loglikelihood(requests) for ens in rows]
+    memo = RowMemo()
+    assert [ens.loglikelihood(requests, memo=memo) for ens in rows] == alone
+    assert memo.hits + memo.misses == 11 * len(requests) and memo.misses <= 4 * len(requests)  # 3 rows cut by ms[0]

@@ -177,7 +177,7 @@ def test_select_end_to_end_on_tiny_members(capsys, tmp_path, candidates_yaml):
         [(d.rank, d.taken, d.reason) for d in expected]
     preds = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
     assert [(p["candidate"], p["id"]) for p in preds] == [(m, i) for m in ("m0", "m1", "m2")
-                                                          for i in ("ARC-toy-1", "ARC-toy-2", "ARC-toy-3")]
+                                                          for i in ("ARC-dev-toy-1", "ARC-dev-toy-2", "ARC-dev-toy-3")]
     for r in rows:
         assert sum(p["correct"] for p in preds if p["candidate"] == r["name"]) == round(3 * r["accuracy"])
         assert r["mean_bytes"] == sum(p["bytes"] for p in preds if p["candidate"] == r["name"]) / 3

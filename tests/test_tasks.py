@@ -21,7 +21,9 @@ def task(name: str, **kw):
 
 
 def item(t, item_id: str) -> dict:
-    return next(it for it in t.items if it["id"] == item_id)
+    """An item of the fixture, evaluated or dev (the prompts are the same)."""
+    found = [it for it in t.items if it["id"] == item_id]
+    return found[0] if found else next(it for it in t.dev_items() if it["id"] == item_id)
 
 
 def user(content: str) -> dict:
@@ -73,6 +75,37 @@ def test_every_task_loads_the_fixture():
             messages = t.prompt(it, chat=True)
             assert [m["role"] for m in messages][-1] == "user"
             assert t.max_new_tokens > 0
+
+
+def test_dev_items_never_reach_the_evaluated_items(tmp_path):
+    """Without a dev file about one item in ten (by the id's hash) is a dev item; with one (ARC),
+    the dev file's items; TriviaQA's dev file less the shots taken from it."""
+    from tokenfuse.tasks.base import DEV_SHARE, is_dev
+
+    rows = [{"id": f"q{i}", "goal": "g", "sol1": "a", "sol2": "b", "label": 0} for i in range(200)]
+    (tmp_path / "piqa").mkdir()
+    (tmp_path / "piqa" / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = load_task("piqa", tmp_path)
+    dev, test = [it["id"] for it in t.dev_items()], [it["id"] for it in t.items]
+    assert sorted(dev + test, key=lambda x: int(x[1:])) == [r["id"] for r in rows] and not set(dev) & set(test)
+    assert dev == [r["id"] for r in rows if is_dev(r)] and 200 // DEV_SHARE // 2 < len(dev) < 2 * 200 // DEV_SHARE
+    assert t.dev_subset(5) == t.dev_subset(5) and len(t.dev_subset(5)) == 5 and all(it["id"] in dev for it in t.dev_subset(5))
+    arc = task("arc_challenge")  # ARC's dev file is its own split
+    assert [it["id"] for it in arc.dev_items()] == ["ARC-dev-toy-1", "ARC-dev-toy-2", "ARC-dev-toy-3"]
+    assert [it["id"] for it in arc.items] == ["ARC-toy-1", "ARC-toy-2", "ARC-toy-3"]
+    with pytest.raises(TaskDataError, match=r"arc/challenge_dev\.jsonl"):
+        _arc_without_dev(tmp_path).dev_items()
+    tq = task("triviaqa", num_fewshot=1)
+    shots = {s["id"] for s in tq.shots(None)}
+    assert shots and not shots & {it["id"] for it in tq.dev_items()}
+    pool = [json.loads(x)["id"] for x in (DATA / "triviaqa" / "dev.jsonl").read_text().splitlines()]
+    assert {it["id"] for it in tq.dev_items()} | shots == set(pool)
+
+
+def _arc_without_dev(tmp_path):
+    (tmp_path / "arc").mkdir()
+    (tmp_path / "arc" / "challenge_test.jsonl").write_text((DATA / "arc" / "challenge_test.jsonl").read_text())
+    return load_task("arc_challenge", tmp_path)
 
 
 def test_subset_is_seeded_nested_and_in_file_order():
@@ -198,7 +231,9 @@ def test_triviaqa_prompts_skip_unusable_shot_answers():
 def test_nq_open_prompts_and_shots_leave_the_evaluated_items():
     t = task("nq_open", num_fewshot=2)
     assert [s["id"] for s in t.shots(None)] == ["nq_open-dev-3", "nq_open-dev-2"]
-    assert [it["id"] for it in t.items] == ["nq_open-dev-0", "nq_open-dev-1"]
+    # the shots leave the items; of the rest, the hash split keeps nq_open-dev-0 for choosing configurations
+    assert [it["id"] for it in t.items] == ["nq_open-dev-1"]
+    assert [it["id"] for it in t.dev_items()] == ["nq_open-dev-0"]
     it = item(t, "nq_open-dev-0")
     assert t.prompt(it) == ("Answer these questions:\nQ: when did the first moon landing happen?\nA: 1969\n"
                             "Q: what is the largest ocean?\nA: the Pacific Ocean\nQ: who painted the mona lisa?\nA:")

@@ -255,7 +255,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``tokenfuse select`` on the ``tokenfuse`` command's subparsers."""
     p = subparsers.add_parser(
         "select", help="determine-then-ensemble: run each candidate alone on a task, keep the compatible ones",
-        description="Run each candidate alone on a fixed subset of a benchmark task, then take the best and "
+        description="Run each candidate alone on a fixed subset of a benchmark task's dev items (never its "
+                    "evaluated items: tokenfuse.tasks, 'Dev items'), then take the best and "
                     "every next-best candidate within 10 accuracy points of it whose mean response length is "
                     "within 2x of the members already taken (UniTE §4.1).")
     src = p.add_mutually_exclusive_group()
@@ -266,7 +267,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method", help="combiner of the chosen ensemble (default: the config's, else gac)")
     p.add_argument("--task", required=True, choices=list(TASKS), help="benchmark task")
     p.add_argument("--limit", type=int, metavar="N", default=DEFAULT_LIMIT,
-                   help=f"items: a fixed seeded subset (default {DEFAULT_LIMIT}; 0 = all)")
+                   help=f"dev items: a fixed seeded subset (default {DEFAULT_LIMIT}; 0 = all)")
     p.add_argument("--data", metavar="DIR", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
     p.add_argument("--max-members", type=int, metavar="N", default=DEFAULT_MAX_MEMBERS,
                    help=f"largest ensemble (default {DEFAULT_MAX_MEMBERS})")
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         raise TokenfuseError(f"--limit: expected 0 (all) or more, got {args.limit}")
     cfg = EnsembleConfig.from_args(args)
     task = load_task(args.task, args.data, num_fewshot=args.num_fewshot)
-    items = task.subset(args.limit or None, args.subset_seed)
+    items = task.dev_subset(args.limit or None, args.subset_seed)
     quiet = args.quiet or args.json
     log = None if quiet else (lambda msg: print(msg, file=sys.stderr))
     t0 = time.perf_counter()

@@ -2,10 +2,10 @@
 
 from tokenfuse.engine.decision import Decision
 from tokenfuse.engine.ensemble import Ensemble, check_members
-from tokenfuse.engine.likelihood import Likelihood
+from tokenfuse.engine.likelihood import Likelihood, RowMemo
 from tokenfuse.engine.prompt import Prompt, TwoFormPrompt
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sequence import Generation, Sequence, StepEvent
 
-__all__ = ["Decision", "Ensemble", "Generation", "Likelihood", "Prompt", "Sampling", "Sequence", "StepEvent",
+__all__ = ["Decision", "Ensemble", "Generation", "Likelihood", "Prompt", "RowMemo", "Sampling", "Sequence", "StepEvent",
            "TwoFormPrompt", "check_members"]

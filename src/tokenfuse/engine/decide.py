@@ -46,7 +46,7 @@ from tokenfuse.engine.sequence import Sequence
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import record_step
 from tokenfuse.errors import ConfigError
-from tokenfuse.members.base import LocalMember, Member, SeqState
+from tokenfuse.members.base import Member, SeqState
 
 Group = tuple[list[int], list[int]]  # (rows of the batch, the members that decide them)
 PROMPT_CHUNK = 32  # prompt positions per call when a prompt is scored (each keeps a float32[V] row)
@@ -315,7 +315,7 @@ def prompt_logprob_per_byte(member: Member, st: SeqState, *, last_bytes: int | N
     ``PROMPT_CHUNK`` (the last call takes the remainder too), after which the state holds the prompt
     and its next-token distribution as a plain prefill leaves them. Needs a fresh state (no output
     yet) of a member in this process."""
-    if not isinstance(member, LocalMember):
+    if not member.in_process:
         raise ConfigError(f"params.prompt_weights: member {member.name!r} does not run in this process "
                           "(PackLLM weights need its log-probabilities at every prompt position)")
     if st.ids or st.n_valid:

@@ -25,7 +25,7 @@ from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END, UnionVocab
 from tokenfuse.combiners import Setup, get_combiner
 from tokenfuse.engine.decide import Decider
-from tokenfuse.engine.likelihood import Likelihood, score
+from tokenfuse.engine.likelihood import Likelihood, RowMemo, score
 from tokenfuse.engine.pool import MemberPool
 from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids
 from tokenfuse.engine.sampling import Sampling
@@ -262,18 +262,21 @@ class Ensemble:
             for b, lp, t in zip(lk.piece_bytes, lk.piece_logprobs, tops)]
 
     def loglikelihood(self, requests: Seq[tuple[Prompt, str]], *, chat: bool = False,
-                      stepwise: bool | None = None) -> list[Likelihood]:
+                      stepwise: bool | None = None, memo: RowMemo | None = None) -> list[Likelihood]:
         """Log-likelihood of each ``(context, continuation)`` under the token-level ensemble
         (definition: ``tokenfuse.engine.likelihood``); ``stepwise`` takes the piece-by-piece
-        reference path instead of one-forward scoring (default: the ensemble's ``scoring``)."""
+        reference path instead of one-forward scoring (default: the ensemble's ``scoring``);
+        ``memo`` (a ``RowMemo``) shares the members' rows with other scorings of the same requests,
+        e.g. by other ensembles on the same loaded members."""
         if stepwise is None:
             stepwise = self.scoring == "stepwise"
-        return self._score(requests, chat=chat, stepwise=stepwise)
+        return self._score(requests, chat=chat, stepwise=stepwise, memo=memo)
 
-    def _score(self, requests: Seq[tuple[Prompt, str]], *, chat: bool, stepwise: bool, top: int = 0) -> list[Likelihood]:
+    def _score(self, requests: Seq[tuple[Prompt, str]], *, chat: bool, stepwise: bool, top: int = 0,
+               memo: RowMemo | None = None) -> list[Likelihood]:
         seqs = [self.open(ctx, chat=chat, index=k) for k, (ctx, _) in enumerate(requests)]
         try:
-            return score(self.decider, seqs, [cont for _, cont in requests], stepwise=stepwise, top=top)
+            return score(self.decider, seqs, [cont for _, cont in requests], stepwise=stepwise, top=top, memo=memo)
         finally:
             for s in seqs:
                 self.close(s)

@@ -26,7 +26,13 @@ Two ways to compute it, with the same definition:
   every member forwards the ids added since the last piece, the same lockstep as generation.
 
 Both feed every member the same ids at the same positions; they differ only in how the ids are
-cut into forward calls. Where a backend's numbers do not depend on that (transformers; llama.cpp
+cut into forward calls.
+
+A ``RowMemo`` (one-forward path only) shares a member's rows between scorings of the same
+requests: when a member's ids before every piece of a request are the very lists an earlier scoring
+computed (same member, same context and cuts — e.g. every method of ``tokenfuse eval`` with the same
+primary member, and the primary member alone), the rows are taken from the memo instead of being
+computed again by the same forward. ``tokenfuse eval`` keeps one memo per batch of items. Where a backend's numbers do not depend on that (transformers; llama.cpp
 for some quantisation types) they agree to float rounding; docs/evaluation.md gives what was
 measured where they do not.
 """
@@ -42,7 +48,7 @@ import torch
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Sequence
-from tokenfuse.members.base import LocalMember, Member, SeqState
+from tokenfuse.members.base import Member, SeqState
 
 
 @dataclass(frozen=True)
@@ -71,17 +77,49 @@ def primary_pieces(decider: Decider, text: str) -> list[int]:
     return [int(decider.space.union.maps[i][t]) for t in ids]
 
 
+class RowMemo:
+    """Members' log-probability rows by (member name, its ids before each piece of one request):
+    a later scoring that would feed a member exactly those id lists takes the rows from here.
+    ``hits``/``misses`` count requests × members."""
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[str, tuple[tuple[int, ...], ...]], list[torch.Tensor]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(member: Member, before: list[list[int]]) -> tuple[str, tuple[tuple[int, ...], ...]]:
+        return member.name, tuple(tuple(ids) for ids in before)
+
+    def get(self, member: Member, before: list[list[int]]) -> list[torch.Tensor] | None:
+        rows = self._rows.get(self.key(member, before))
+        if rows is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return rows
+
+    def put(self, member: Member, before: list[list[int]], rows: list[torch.Tensor]) -> None:
+        self._rows[self.key(member, before)] = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 def score(decider: Decider, seqs: list[Sequence], continuations: Seq[str], *,
-          stepwise: bool = False, top: int = 0) -> list[Likelihood]:
+          stepwise: bool = False, top: int = 0, memo: RowMemo | None = None) -> list[Likelihood]:
     """The likelihood of each continuation after its sequence's context (``seqs``, freshly opened;
     the caller closes them). ``stepwise`` forces the piece-by-piece path (the reference); ``top``
     also keeps the combined distribution's ``top`` most likely entries before each piece (the gate's
-    distribution on gated pieces, as in generation)."""
+    distribution on gated pieces, as in generation); ``memo`` shares members' rows with other
+    scorings of the same requests (one-forward path only)."""
     cuts = [primary_pieces(decider, c) for c in continuations]
-    local = all(isinstance(decider.members[i], LocalMember) for i in decider.computed())
-    scorer = _one_forward if local and not stepwise else _stepwise
+    local = all(decider.members[i].in_process for i in decider.computed())
     tops: list[list[tuple[tuple[int, float], ...]]] = [[] for _ in seqs]
-    per_piece, ensembled = scorer(decider, seqs, cuts, tops if top > 0 else None, top)
+    if local and not stepwise:
+        per_piece, ensembled = _one_forward(decider, seqs, cuts, tops if top > 0 else None, top, memo)
+    else:
+        per_piece, ensembled = _stepwise(decider, seqs, cuts, tops if top > 0 else None, top)
     union = decider.space.union
     return [Likelihood(math.fsum(lps), len(c), len(cont.encode("utf-8")), e, tuple(lps),
                        tuple(union.pieces[u] for u in c), tuple(t))
@@ -128,7 +166,7 @@ def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], top
 
 
 def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], tops: list[list] | None = None,
-                 top: int = 0) -> tuple[list[list[float]], list[int]]:
+                 top: int = 0, memo: RowMemo | None = None) -> tuple[list[list[float]], list[int]]:
     computed = decider.computed()
     if decider.prompt_tau is not None:  # PackLLM weights: each member scores its prompt first (its prefill)
         decider.score_prompts(seqs)
@@ -142,7 +180,7 @@ def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], 
                 s.force(u)
     # 2. each member's log-probabilities before every piece, in as few forwards as its ids allow
     with decider.timer.stage("forward"):
-        dists = decider.pool.run(computed, lambda i: [positions(decider.members[i], s.states[i], ids[i])
+        dists = decider.pool.run(computed, lambda i: [_rows(decider.members[i], s.states[i], ids[i], memo)
                                                       for s, ids in zip(seqs, before)])
     # 3. the pieces' probabilities, piece by piece as in the stepwise path
     topk = decider.combiner.k if decider.combiner.needs == "topk" else 0
@@ -167,6 +205,17 @@ def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], 
         for k, p in zip(rows, probs):
             per_piece[k].append(_log(p))
     return per_piece, ensembled
+
+
+def _rows(member: Member, final: SeqState, before: list[list[int]], memo: RowMemo | None) -> list[torch.Tensor]:
+    """``positions``, or the memo's rows for the same member and id lists (a hit feeds nothing)."""
+    if memo is None:
+        return positions(member, final, before)
+    rows = memo.get(member, before)
+    if rows is None:
+        rows = positions(member, final, before)
+        memo.put(member, before, rows)
+    return rows
 
 
 def positions(member: Member, final: SeqState, before: list[list[int]]) -> list[torch.Tensor]:

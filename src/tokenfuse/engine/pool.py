@@ -12,7 +12,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from tokenfuse.members.base import LocalMember, Member, SeqState, cpu_cores
+from tokenfuse.members.base import Member, SeqState, cpu_cores
 
 log = logging.getLogger("tokenfuse.engine")
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class MemberPool:
         only when every one has finished, even if one raised."""
         if not which:
             return {}
-        local = [i for i in which if isinstance(self.members[i], LocalMember)]
+        local = [i for i in which if self.members[i].in_process]
         if self._threads is None or len(which) == 1:
             for i in local:  # one at a time: all the cores
                 self.members[i].share_cores(self.cores)

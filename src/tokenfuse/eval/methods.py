@@ -15,6 +15,7 @@ Method names (``--methods``):
 | ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
 | ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
 | ``seq-avg`` | output | likelihood form only: each option scored by the mean of the members' per-byte log-likelihoods |
+| ``auto`` | auto | per task, the row or candidate configuration with the best accuracy on dev items only (``tokenfuse.eval.auto``) |
 
 The adaptive rows (``gac-select``, ``gac-conf``, ``gac-prompt``) take the config's value of each of
 their parameters when its method is ``gac`` and it sets one, else the default in ``ADAPTIVE_ROWS``; they are
@@ -44,7 +45,7 @@ ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entr
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512}}
 ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS)
 OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
-ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2])
+ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2], "auto")
 DEFAULT_THRESHOLD = 0.5
 
 
@@ -54,7 +55,8 @@ class MethodSpec:
 
     Attributes:
         name: the row name (``single:<member>``, ``gac``, ``vote``, ...).
-        kind: ``engine`` (an ``Ensemble`` variant runs) or ``output`` (computed from the singles).
+        kind: ``engine`` (an ``Ensemble`` variant runs), ``output`` (computed from the singles) or
+            ``auto`` (a row or candidate chosen on dev items, ``tokenfuse.eval.auto``).
         members: member names the row uses (one for ``single``).
         overrides: options for ``EnsembleConfig.with_overrides`` (``method``, ``gate``, ``threshold``).
     """
@@ -88,11 +90,12 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
     ``gac-threshold`` in the likelihood form; singles come first (output-level rows need them).
     """
     members = tuple(m.name for m in cfg.members)
-    want_single = "single" in names or any(n in OUTPUT_METHODS for n in names) or (form == "likelihood")
+    want_single = ("single" in names or "auto" in names or any(n in OUTPUT_METHODS for n in names)
+                   or form == "likelihood")
     specs = [MethodSpec(f"single:{m}", "engine", (m,)) for m in members] if want_single else []
     primary = cfg.primary_name
     for n in names:
-        if n == "single":
+        if n in ("single", "auto"):
             continue
         if n in OUTPUT_METHODS:
             if n == "seq-avg" and form != "likelihood":
@@ -121,6 +124,8 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
         specs.append(MethodSpec("seq-avg", "output", members))  # the issue's sequence-level baseline, always shown
     if len(members) < 2:  # nothing to vote over or average
         specs = [s for s in specs if s.kind == "engine"]
+    if "auto" in names:
+        specs.append(MethodSpec("auto", "auto", members))
     return specs
 
 

@@ -197,7 +197,25 @@ def markdown_table(results: dict) -> str:
         cells += [_gain_cell(ov[m].get("vs_best")), _gain_cell(ov[m].get("vs_task_best"))]
         gain.append(f"| {m} | " + " | ".join(cells) + " |")
     forms = ", ".join(f"{t}: {f}" for t, f in results["forms"].items())
-    return "\n".join(lines + ci + extra + gain + ["", f"Forms: {forms}."]) + "\n"
+    return "\n".join(lines + ci + extra + gain + auto_lines(results) + ["", f"Forms: {forms}."]) + "\n"
+
+
+def auto_lines(results: dict) -> list[str]:
+    """The ``auto`` row's choice per task, made on dev items (``tokenfuse.eval.auto``)."""
+    choices = results.get("auto") or {}
+    if not choices:
+        return []
+    out = ["", "`auto`'s choice per task, on dev items only (best member on dev; the best other candidate and "
+           "its paired gain on dev with the interval it had to clear):", "",
+           "| task | dev items | chosen | best member (dev) | best other (dev) | gain on dev |", "|---|---|---|---|---|---|"]
+    for t, c in choices.items():
+        acc = c["dev_acc"]
+        other = "—" if c["challenger"] is None else f"{c['challenger']} {_pct(acc[c['challenger']])}"
+        g = c.get("dev_gain")
+        gain = "—" if g is None else f"{_signed(g['gain'])} [{_signed(g['ci'][0])}, {_signed(g['ci'][1])}] ({g['level']:.0%})"
+        out.append(f"| {t} | {c['dev_items']} | {c['chosen']} | {c['best_single']} {_pct(acc[c['best_single']])} | "
+                   f"{other} | {gain} |")
+    return out
 
 
 def plot(results: dict, path: Path) -> Path | None:

@@ -2,7 +2,9 @@
 
 Flow: load the members once → for each task, pick its fixed seeded subset (``Task.subset``) → for
 each engine method (each member alone, then the ensembles, built on the same loaded members and the
-same union vocabulary) run the items in batches, appending one JSON line per finished item →
+same union vocabulary) run the items in batches, appending one JSON line per finished item (in the
+likelihood form batch by batch across the rows, which share the members' forwards through a
+``RowMemo``: the same member fed the same ids by two rows computes once) →
 compute the output-level baselines (vote, MBR, sequence-level average) from the members' lines →
 aggregate, with bootstrap 95 % intervals, into ``results.json``, ``results.md`` and ``results.png``.
 
@@ -18,7 +20,9 @@ Forms:
   the raw cloze context (``Task.cloze``); the prediction is the option with the highest
   log-likelihood per UTF-8 byte (``acc``), and the raw sum gives ``acc_raw``.
 
-Timing: ``seconds`` of an item is its batch's wall time divided by the batch size; ms/token is
+Timing: ``seconds`` of an item is its batch's wall time divided by the batch size (in the
+likelihood form a row's own time: forwards it took from the memo count for the row that computed
+them, so the task's wall time, not the sum of the rows, is the table's cost); ms/token is
 the generate-form time divided by the generated pieces (prompt encoding included), items/min the
 items divided by their time.
 """
@@ -53,6 +57,7 @@ class EvalSettings:
         limit: items per task (a fixed seeded subset; ``None`` = all); ``limits`` per task override it.
         mc: form of the multiple-choice tasks: ``likelihood`` (default) or ``generate``.
         max_new_tokens: per-task generation limits overriding the task's own (``{"gsm8k": 192}``).
+        dev_limit: dev items per task for the ``auto`` row's choice.
     """
 
     tasks: Sequence[str] = DEFAULT_TASKS
@@ -67,6 +72,8 @@ class EvalSettings:
     max_new_tokens: dict[str, int] = field(default_factory=dict)
     num_fewshot: int | None = None
     progress: bool = True
+    dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form)
+    auto_choices: dict[str, dict] = field(default_factory=dict)  # filled by the run: auto's choice per task
 
 
 def task_form(task, mc: str) -> str:
@@ -106,12 +113,13 @@ def cloze_record(item_id, gold: int, continuations: Sequence[str], logprobs: Seq
             "bytes": list(nbytes), "options": list(continuations), **extra}
 
 
-def likelihood_records(ens, task, items: Sequence[dict]) -> list[dict]:
-    """Every option of every item scored under ``ens`` (raw cloze context); one record per item."""
+def likelihood_records(ens, task, items: Sequence[dict], *, memo=None) -> list[dict]:
+    """Every option of every item scored under ``ens`` (raw cloze context); one record per item.
+    ``memo``: a ``RowMemo`` shared with the other rows scoring the same items."""
     clozes = [task.cloze(it) for it in items]
     requests = [(c.context, cont) for c in clozes for cont in c.continuations]
     t0 = time.perf_counter()
-    liks = ens.loglikelihood(requests)
+    liks = ens.loglikelihood(requests, memo=memo)
     per_item = (time.perf_counter() - t0) / max(len(items), 1)
     out, k = [], 0
     for it, c in zip(items, clozes):
@@ -162,9 +170,11 @@ def output_record(spec: MethodSpec, task, item: dict, singles: list[dict], *, pr
 # ---------------------------------------------------------------------------------------- the run
 def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = False):
     """The ``Ensemble`` of one engine row on the already loaded ``members`` (a ``single:`` row is
-    the member alone; any other row the config with the row's overrides, its combiner prepared)."""
+    the member alone; any other row the config with the row's overrides, its combiner prepared, the
+    members seen with the row's weights)."""
     from tokenfuse.engine import Ensemble
     from tokenfuse.load import ensemble_from_members
+    from tokenfuse.members.base import reweighted
     from tokenfuse.paths import cache_dir
 
     if spec.name.startswith("single:"):
@@ -172,57 +182,136 @@ def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = Fal
         return Ensemble.single(member, window=cfg.window, align_cache=cache_dir(cfg.cache_dir) / "alignment",
                                scoring=cfg.scoring)
     variant = cfg.with_overrides(**spec.overrides, origin=f"method {spec.name}")
-    return ensemble_from_members(variant, members, union=union, progress=progress)
+    seen = [reweighted(m, mc.weight) for m, mc in zip(members, variant.members)]
+    return ensemble_from_members(variant, seen, union=union, progress=progress)
 
 
 def run_task(cfg, members, union, task, specs: Sequence[MethodSpec],
              settings: EvalSettings) -> dict[str, list[dict]]:
-    """Run (or resume) every row of one task; returns the records per method, in item order."""
-    form = task_form(task, settings.mc)
+    """Run (or resume) every row of one task; returns the records per method, in item order (and,
+    with an ``auto`` row, its choice in ``settings.auto_choices``)."""
     items = task.subset(settings.limits.get(task.name, settings.limit), settings.seed)
+    table = [s for s in specs if s.kind != "auto"]
+    records = run_rows(cfg, members, union, task, table, items, settings)
+    if len(table) < len(specs):
+        records["auto"] = run_auto(cfg, members, union, task, table, items, records, settings)
+    return records
+
+
+def run_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
+             settings: EvalSettings, *, split: str = "test") -> dict[str, list[dict]]:
+    """Run (or resume) ``specs`` on ``items`` (``split``: ``test``, or ``dev`` for ``auto``'s choice,
+    kept apart under ``items/<task>-<form>-dev/``); the records per row, in item order."""
+    form = task_form(task, settings.mc)
+    where = form if split == "test" else f"{form}-dev"
     out = Path(settings.out)
-    limit = settings.max_new_tokens.get(task.name) or task.max_new_tokens
-    names = [m.name for m in members]
-    primary = names.index(cfg.primary_name)
+    primary = [m.name for m in members].index(cfg.primary_name)
+    engine = [s for s in specs if s.kind == "engine"]
+    if form == "likelihood":
+        run_likelihood_rows(cfg, members, union, task, engine, items, settings, where=where)
+    else:
+        for spec in engine:
+            run_generate_row(cfg, members, union, task, spec, items, settings, where=where)
     records: dict[str, list[dict]] = {}
     for spec in specs:
-        path = item_file(out, task.name, form, spec.name)
-        done = read_records(path)
-        todo = [it for it in items if str(it["id"]) not in done]
+        path = item_file(out, task.name, where, spec.name)
         if spec.kind == "output":
+            done = read_records(path)
             singles = [{r["id"]: r for r in records[f"single:{n}"]} for n in spec.members]
-            new = [output_record(spec, task, it, [s[it["id"]] for s in singles], primary=primary, form=form)
-                   for it in todo]
-            append_records(path, new)
-        elif todo:
-            ens = build_variant(cfg, members, spec, union=union, progress=settings.progress)
-            chat = prompt_form(ens.members) if form == "generate" else False
-            bs = settings.batch_size
-            if form == "likelihood":  # one item is 2-5 requests
-                bs = max(1, bs // 2)
-            with progress_bar(total=len(items), desc=f"eval {task.name} {spec.name}", unit="item",
-                              enabled=settings.progress, initial=len(items) - len(todo)) as bar:
-                correct, n = sum(r["correct"] for r in done.values()), len(done)
-                for start in range(0, len(todo), bs):
-                    batch = todo[start:start + bs]
-                    if form == "generate":
-                        new = generate_records(ens, task, batch, chat=chat, max_new_tokens=limit)
-                    else:
-                        new = likelihood_records(ens, task, batch)
-                    for r in new:
-                        r["method"] = spec.name
-                    append_records(path, new)
-                    for r in new:
-                        done[str(r["id"])] = r
-                    correct += sum(r["correct"] for r in new)
-                    n += len(new)
-                    bar.set_postfix_str(f"acc={correct / n:.3f}", refresh=False)
-                    bar.update(len(batch))
-            del ens
-            gc.collect()
+            append_records(path, [output_record(spec, task, it, [s[it["id"]] for s in singles], primary=primary,
+                                                form=form) for it in items if str(it["id"]) not in done])
         done = read_records(path)
         records[spec.name] = [done[str(it["id"])] for it in items]
     return records
+
+
+def run_auto(cfg, members, union, task, table: Sequence[MethodSpec], items: Sequence[dict],
+             records: dict[str, list[dict]], settings: EvalSettings) -> list[dict]:
+    """``auto`` (``tokenfuse.eval.auto``): every table row and candidate on the dev items, the choice,
+    then the chosen configuration's records on the test items (run here if it is not a table row)."""
+    from tokenfuse.eval import auto
+
+    form = task_form(task, settings.mc)
+    dev_items = task.dev_subset(settings.dev_limit or auto.DEV_LIMITS[form], settings.seed)
+    if not dev_items:
+        raise TokenfuseError(f"auto: task {task.name!r} has no dev items to choose on")
+    dev = run_rows(cfg, members, union, task, table, dev_items, settings, split="dev")
+    extra = auto.candidates(cfg, dev)
+    dev.update(run_rows(cfg, members, union, task, extra, dev_items, settings, split="dev"))
+    choice = auto.choose(dev)
+    settings.auto_choices[task.name] = choice.as_dict()
+    if choice.chosen not in records:
+        spec = next(s for s in extra if s.name == choice.chosen)
+        records = {**records, **run_rows(cfg, members, union, task, [spec], items, settings)}
+    rows = [{**r, "method": "auto", "chosen": choice.chosen} for r in records[choice.chosen]]
+    path = item_file(Path(settings.out), task.name, form, "auto")
+    path.unlink(missing_ok=True)  # derived from the chosen row's records: rewritten every run
+    append_records(path, rows)
+    return rows
+
+
+def run_generate_row(cfg, members, union, task, spec: MethodSpec, items: Sequence[dict],
+                     settings: EvalSettings, *, where: str = "generate") -> None:
+    """One engine row in the generate form: the items it has not done yet, in batches."""
+    path = item_file(Path(settings.out), task.name, where, spec.name)
+    done = read_records(path)
+    todo = [it for it in items if str(it["id"]) not in done]
+    if not todo:
+        return
+    ens = build_variant(cfg, members, spec, union=union, progress=settings.progress)
+    chat = prompt_form(ens.members)
+    limit = settings.max_new_tokens.get(task.name) or task.max_new_tokens
+    with progress_bar(total=len(items), desc=f"eval {task.name}-{where} {spec.name}", unit="item",
+                      enabled=settings.progress, initial=len(items) - len(todo)) as bar:
+        correct, n = sum(r["correct"] for r in done.values()), len(done)
+        for start in range(0, len(todo), settings.batch_size):
+            batch = todo[start:start + settings.batch_size]
+            new = generate_records(ens, task, batch, chat=chat, max_new_tokens=limit)
+            for r in new:
+                r["method"] = spec.name
+            append_records(path, new)
+            correct += sum(r["correct"] for r in new)
+            n += len(new)
+            bar.set_postfix_str(f"acc={correct / n:.3f}", refresh=False)
+            bar.update(len(batch))
+    del ens
+    gc.collect()
+
+
+def run_likelihood_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
+                        settings: EvalSettings, *, where: str = "likelihood") -> None:
+    """Every engine row of a likelihood-form task, batch by batch: each batch of items is scored by
+    every row that has not done it, the rows sharing one ``RowMemo`` (a member's forward over the
+    same ids — the same primary member's cuts — is computed once per batch, not once per row)."""
+    from tokenfuse.engine import RowMemo
+
+    out = Path(settings.out)
+    paths = {s.name: item_file(out, task.name, where, s.name) for s in specs}
+    todo = {s.name: {str(it["id"]) for it in items} - set(read_records(paths[s.name])) for s in specs}
+    rows = [s for s in specs if todo[s.name]]
+    if not rows:
+        return
+    variants = {s.name: build_variant(cfg, members, s, union=union, progress=settings.progress) for s in rows}
+    pending = [it for it in items if any(str(it["id"]) in todo[s.name] for s in rows)]
+    bs = max(1, settings.batch_size // 2)  # one item is 2-5 requests
+    hits = misses = 0
+    with progress_bar(total=len(items), desc=f"eval {task.name}-{where} ({len(rows)} rows)", unit="item",
+                      enabled=settings.progress, initial=len(items) - len(pending)) as bar:
+        for start in range(0, len(pending), bs):
+            batch = pending[start:start + bs]
+            memo = RowMemo()
+            for spec in rows:
+                mine = [it for it in batch if str(it["id"]) in todo[spec.name]]
+                if mine:
+                    new = likelihood_records(variants[spec.name], task, mine, memo=memo)
+                    for r in new:
+                        r["method"] = spec.name
+                    append_records(paths[spec.name], new)
+            hits, misses = hits + memo.hits, misses + memo.misses
+            bar.set_postfix_str(f"shared={hits / max(hits + misses, 1):.0%}", refresh=False)
+            bar.update(len(batch))
+    del variants
+    gc.collect()
 
 
 def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
@@ -257,5 +346,7 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
         log(f"{task.name} ({form}): {len(next(iter(all_records[task.name].values()), []))} items, "
             f"{time.perf_counter() - t0:.0f} s")
     results = summarise(cfg, settings, all_records, forms, wall_seconds=time.perf_counter() - t_run)
+    if settings.auto_choices:
+        results["auto"] = dict(settings.auto_choices)
     write_outputs(results, Path(settings.out))
     return results

@@ -92,6 +92,7 @@ class Member(ABC):
     score: float | None = None
     context_length: int | None = None
     load_seconds: float = 0.0
+    in_process: bool = False  # its weights are in this process (``LocalMember``): logits at any position, cores to share
 
     # ------------------------------------------------------------------ prompts
     @property
@@ -179,6 +180,8 @@ class LocalMember(Member):
     state is kept in ``SeqState.logprobs`` for ``next_topk`` and ``token_logprobs``.
     """
 
+    in_process = True
+
     def next_logprobs(self, states: Sequence[SeqState]) -> torch.Tensor:
         """Log-probabilities of the next token for each state, ``float32[B, V]``.
 
@@ -262,3 +265,21 @@ def plain_chat(messages: Sequence[dict]) -> str:
     """The documented rendering for members without a chat template."""
     parts = [f"{str(m.get('role', 'user')).capitalize()}: {m.get('content', '')}\n\n" for m in messages]
     return "".join(parts) + "Assistant:"
+
+
+class Reweighted:
+    """A member seen with another weight: everything else (model, caches, codec, name) is the member's
+    own, so sequences can move between ensembles that differ only in weights (the server's per-request
+    weights, ``tokenfuse eval``'s ``auto`` candidates)."""
+
+    def __init__(self, member: Any, weight: float) -> None:
+        self.member = member.member if isinstance(member, Reweighted) else member
+        self.weight = float(weight)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.member, name)
+
+
+def reweighted(member: Any, weight: float) -> Any:
+    """``member`` with ``weight``: itself when its weight is that already, else a ``Reweighted`` view."""
+    return member if float(weight) == member.weight else Reweighted(member, weight)

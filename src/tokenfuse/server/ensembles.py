@@ -1,33 +1,15 @@
 """The server's ensembles: one ``Ensemble`` per set of per-request options, all sharing the loaded
-members and the union vocabulary (``EnsemblePool``); members seen with another weight (``Reweighted``)."""
+members and the union vocabulary (``EnsemblePool``); members seen with another weight (``members.base.Reweighted``)."""
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any
 
 from tokenfuse.config import EnsembleConfig, parse_config
 from tokenfuse.engine import Ensemble
 from tokenfuse.errors import ConfigError
-
-
-# ---------------------------------------------------------------------------- members
-
-class Reweighted:
-    """A member seen with another weight: everything else (model, caches, codec) is the member's own,
-    so sequences can move between ensembles that differ only in weights."""
-
-    def __init__(self, member: Any, weight: float) -> None:
-        self.member = member
-        self.weight = float(weight)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.member, name)
-
-
-def _base(member: Any) -> Any:
-    return member.member if isinstance(member, Reweighted) else member
+from tokenfuse.members.base import reweighted
 
 
 # ---------------------------------------------------------------------------- ensembles per option set
@@ -88,5 +70,5 @@ class EnsemblePool:
         if all(x <= 0 for x in weights):
             raise ConfigError("no member with a positive weight is left"
                               + (f" (unavailable: {', '.join(sorted(down))})" if down else ""))
-        members = [m if x == m.weight else Reweighted(_base(m), x) for m, x in zip(self.members, weights)]
+        members = [reweighted(m, x) for m, x in zip(self.members, weights)]
         return ensemble_from_members(cfg, members, union=self.base.union)

@@ -11,15 +11,19 @@ from the directory given as ``data_dir`` (``--data``), else ``$TOKENFUSE_DATA``.
         task.score(item, text).correct
     task.cloze(item)   # multiple choice only: context + continuations for likelihood scoring
 
-| task | module | shots | answer |
-|---|---|---|---|
-| gsm8k | ``gsm8k`` | 5 from train, CoT | last number |
-| mmlu | ``mmlu`` | the subject's 5 dev items | generated letter |
-| arc_challenge, arc_easy | ``arc`` | 0 | generated letter |
-| piqa | ``piqa`` | 0 | generated letter |
-| boolq | ``boolq`` | 0 | generated yes/no |
-| triviaqa, nq_open | ``qa`` | 5 | normalised exact match, any alias |
-| bbh | ``bbh`` | the official 3 CoT exemplars | exact match after "the answer is" |
+| task | module | shots | answer | dev items (``dev_items``) |
+|---|---|---|---|---|
+| gsm8k | ``gsm8k`` | 5 from train, CoT | last number | hash split of test |
+| mmlu | ``mmlu`` | the subject's 5 dev items | generated letter | hash split of test |
+| arc_challenge, arc_easy | ``arc`` | 0 | generated letter | ``arc/*_dev.jsonl`` |
+| piqa | ``piqa`` | 0 | generated letter | hash split |
+| boolq | ``boolq`` | 0 | generated yes/no | hash split |
+| triviaqa | ``qa`` | 5 | normalised exact match, any alias | ``triviaqa/dev.jsonl`` less the shots |
+| nq_open | ``qa`` | 5 | normalised exact match, any alias | hash split |
+| bbh | ``bbh`` | the official 3 CoT exemplars | exact match after "the answer is" | hash split |
+
+The hash split (``base.is_dev``) sets about one item in ten aside for choosing configurations and
+removes it from ``items``, so reported items never include a dev item.
 
 Each module's docstring gives its exact templates; ``base`` documents how prompts are assembled;
 ``run`` holds the prompt-form rule and "generate a batch, then grade" (``generate_graded``).

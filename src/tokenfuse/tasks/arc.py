@@ -1,4 +1,5 @@
-"""ARC-Challenge and ARC-Easy: 0-shot, generated letter (``arc/{challenge,easy}_test.jsonl``).
+"""ARC-Challenge and ARC-Easy: 0-shot, generated letter (``arc/{challenge,easy}_test.jsonl``; dev
+items for choosing configurations from ``arc/{challenge,easy}_dev.jsonl``).
 
 Templates, stops and the cloze form: ``multiple_choice.ZeroShotLetterTask``. Items have 3 to 5
 options; the letters follow the option count.
@@ -13,6 +14,7 @@ from tokenfuse.tasks.multiple_choice import ZeroShotLetterTask
 class ARCChallenge(ZeroShotLetterTask):
     name = "arc_challenge"
     file = "arc/challenge_test.jsonl"
+    dev_file = "arc/challenge_dev.jsonl"
 
     def _load(self) -> list[Item]:
         return read_jsonl(self.data_dir, self.file)
@@ -21,3 +23,4 @@ class ARCChallenge(ZeroShotLetterTask):
 class ARCEasy(ARCChallenge):
     name = "arc_easy"
     file = "arc/easy_test.jsonl"
+    dev_file = "arc/easy_dev.jsonl"

@@ -22,6 +22,12 @@ Prompt assembly, the same for every task (lm-evaluation-harness's ``fewshot_cont
 
 Each task module documents its ``description``, ``query``, ``target`` and their chat variants.
 
+Dev items (``dev_items``, for choosing a configuration — ``tokenfuse select`` and ``eval``'s ``auto``
+row — never for reporting): the benchmark's own dev split where it has one (``dev_file``: ARC's
+``*_dev.jsonl``; TriviaQA's dev file less the shots taken from it); otherwise a hash split of the
+evaluated items: an item whose ``sha256(f"dev:{id}")`` is 0 modulo ``DEV_SHARE`` (10, i.e. about one
+item in ten) is a dev item and is left out of ``items``, so test items never include one.
+
 Subsets: ``subset(limit, seed)`` ranks every item by ``sha256(f"{seed}:{item['id']}")`` and keeps
 the ``limit`` first, returned in file order. The choice depends only on the seed and the ids (not on
 the Python version or the file order), the same items for every model and method, and a smaller
@@ -104,6 +110,14 @@ def read_jsonl(root: Path, relative: str) -> list[Item]:
     return items
 
 
+DEV_SHARE = 10  # without a dev file: about one item in DEV_SHARE is a dev item
+
+
+def is_dev(item: Item) -> bool:
+    """Whether a task without a dev file keeps ``item`` for choosing configurations (the hash split)."""
+    return int(hashlib.sha256(f"dev:{item['id']}".encode()).hexdigest(), 16) % DEV_SHARE == 0
+
+
 def rank_key(seed: int, item_id: str) -> str:
     return hashlib.sha256(f"{seed}:{item_id}".encode()).hexdigest()
 
@@ -146,6 +160,7 @@ class Task:
     stop_raw: ClassVar[tuple[str, ...]] = ()
     stop_chat: ClassVar[tuple[str, ...]] = ()
     multiple_choice: ClassVar[bool] = False
+    dev_file: ClassVar[str | None] = None  # the benchmark's own dev split; None: the hash split (``is_dev``)
 
     def __init__(self, data_dir: str | os.PathLike | None = None, *, num_fewshot: int | None = None,
                  fewshot_seed: int = DEFAULT_SEED) -> None:
@@ -154,7 +169,13 @@ class Task:
         if self.shots_n < 0:
             raise TaskDataError(f"num_fewshot: expected 0 or more, got {self.shots_n}")
         self.fewshot_seed = fewshot_seed
-        self.items: list[Item] = self._load()
+        loaded = self._load()
+        if self.dev_file is None:  # the hash split: dev items never reach the evaluated ones
+            self._dev_items: list[Item] | None = [it for it in loaded if is_dev(it)]
+            loaded = [it for it in loaded if not is_dev(it)]
+        else:
+            self._dev_items = None  # read on first use
+        self.items: list[Item] = loaded
 
     # ------------------------------------------------------------------ data
     def _load(self) -> list[Item]:
@@ -164,6 +185,20 @@ class Task:
     def subset(self, limit: int | None, seed: int = DEFAULT_SEED) -> list[Item]:
         """The fixed seeded subset for ``--limit`` (see the module docstring)."""
         return subset(self.items, limit, seed)
+
+    def dev_items(self) -> list[Item]:
+        """The items configurations are chosen on (see the module docstring); never in ``items``."""
+        if self._dev_items is None:
+            self._dev_items = self._load_dev()
+        return self._dev_items
+
+    def _load_dev(self) -> list[Item]:
+        """The dev file's items (a task whose shots come from it leaves them out)."""
+        return read_jsonl(self.data_dir, self.dev_file)
+
+    def dev_subset(self, limit: int | None, seed: int = DEFAULT_SEED) -> list[Item]:
+        """A fixed seeded subset of the dev items, as ``subset`` of the test items."""
+        return subset(self.dev_items(), limit, seed)
 
     def shots(self, item: Item) -> list[Item]:
         """The few-shot examples for ``item`` (none by default)."""

@@ -74,12 +74,17 @@ class OpenQA(Task):
 
 class TriviaQA(OpenQA):
     name = "triviaqa"
+    dev_file = "triviaqa/dev.jsonl"
 
     def _load(self) -> list[Item]:
         items = read_jsonl(self.data_dir, "triviaqa/test.jsonl")
         pool = read_jsonl(self.data_dir, "triviaqa/dev.jsonl") if self.shots_n else []
         self._shots = pick_shots(pool, self.fewshot_seed, self.shots_n, keep=short_answer)
         return items
+
+    def _load_dev(self) -> list[Item]:
+        shots = {s["id"] for s in self._shots}
+        return [it for it in super()._load_dev() if it["id"] not in shots]
 
     def query(self, item: Item) -> str:
         return f"Question: {question_mark(item['question'])}\nAnswer:"

@@ -1,0 +1,108 @@
+"""``tokenfuse eval``'s ``auto`` row: per task, a configuration chosen on dev items only.
+
+For each task the runner first runs, on the task's dev items (``Task.dev_items``: its own dev split,
+or the hash split the test items never touch), every row of the table and the candidates below; then
+``choose`` picks one by its dev accuracy alone; the ``auto`` row on the test items is that
+configuration's records there. Nothing about the test items enters the choice.
+
+Candidates (``candidates``), besides the table's own rows (each member alone, the asked ensemble
+rows, vote / MBR / sequence average):
+
+* ``auto:gated@T`` — GaC gated by the best member on dev (the one far ahead, if any) at each threshold
+  ``T`` of ``THRESHOLDS``: the gate's piece where it is confident, the ensemble elsewhere; the best
+  member is also the primary;
+* ``auto:gac@kept`` / ``auto:unite@kept`` — UniTE's selection rule on the dev accuracies
+  (``tokenfuse.select.select_members``: members more than 10 points behind the best are dropped,
+  weight 0), the best member primary; only when it keeps two members or more.
+
+Choice (``choose``): the best member on dev (ties: member order) unless the best other candidate
+(ties: candidate order) beats it on dev with its paired bootstrap ``LEVEL`` interval (1,000
+resamples, seed 0) wholly above 0 — so ``auto`` ends with one member alone unless an ensemble is
+measurably better on dev.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenfuse.eval.methods import MethodSpec
+from tokenfuse.eval.stats import paired_bootstrap
+
+THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+LEVEL = 0.90
+DEV_LIMITS = {"likelihood": 200, "generate": 50}  # dev items per task by default (``--dev-limit``)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` chose for one task, and why.
+
+    Attributes:
+        chosen: the candidate's row name.
+        best_single: the best member alone on dev.
+        challenger: the best other candidate on dev (``None`` without one).
+        gain: challenger minus best single on dev (accuracy, 0..1) and its ``LEVEL`` interval.
+        dev_acc: every candidate's dev accuracy.
+        n: dev items.
+    """
+
+    chosen: str
+    best_single: str
+    challenger: str | None
+    gain: tuple[float, float, float] | None
+    dev_acc: dict[str, float]
+    n: int
+
+    def as_dict(self) -> dict:
+        return {"chosen": self.chosen, "best_single": self.best_single, "challenger": self.challenger,
+                "dev_gain": None if self.gain is None else {"gain": self.gain[0], "ci": list(self.gain[1:]),
+                                                            "level": LEVEL},
+                "dev_acc": self.dev_acc, "dev_items": self.n}
+
+
+def _accuracy(records: Sequence[dict]) -> float:
+    return sum(bool(r["correct"]) for r in records) / max(len(records), 1)
+
+
+def best_single(dev: dict[str, Sequence[dict]]) -> str:
+    """The ``single:`` row with the highest dev accuracy (the first of equal ones)."""
+    singles = [m for m in dev if m.startswith("single:")]
+    return max(singles, key=lambda m: _accuracy(dev[m]))
+
+
+def candidates(cfg, dev: dict[str, Sequence[dict]]) -> list[MethodSpec]:
+    """The dev-driven candidates (module docstring) from the singles' dev records ``dev``."""
+    from tokenfuse.select import CandidateResult, select_members
+
+    names = [m.name for m in cfg.members]
+    if len(names) < 2:
+        return []
+    best = best_single(dev).split(":", 1)[1]
+    specs = [MethodSpec(f"auto:gated@{t:g}", "engine", tuple(names),
+                        {"method": "gac", "gate": best, "threshold": t, "primary": best, "params": {}})
+             for t in THRESHOLDS]
+    measured = [CandidateResult(n, _accuracy(dev[f"single:{n}"]), 0.0, len(dev[f"single:{n}"])) for n in names]
+    kept = {d.name for d in select_members(measured, max_members=len(names)) if d.taken}
+    if len(kept) >= 2:
+        weights = {n: (mc.weight if n in kept else 0.0) for n, mc in zip(names, cfg.members)}
+        for method in ("gac", "unite"):
+            specs.append(MethodSpec(f"auto:{method}@kept", "engine", tuple(n for n in names if n in kept),
+                                    {"method": method, "gate": None, "threshold": None, "primary": best,
+                                     "weights": weights, "params": {}}))
+    return specs
+
+
+def choose(dev: dict[str, Sequence[dict]]) -> Choice:
+    """The choice rule (module docstring) over every candidate's dev records (paired by item)."""
+    from tokenfuse.eval.report import paired_correct
+
+    single = best_single(dev)
+    acc = {m: _accuracy(r) for m, r in dev.items()}
+    others = [m for m in dev if not m.startswith("single:")]
+    if not others:
+        return Choice(single, single, None, None, acc, len(dev[single]))
+    challenger = max(others, key=lambda m: acc[m])
+    gain = paired_bootstrap(*paired_correct(dev[challenger], dev[single]), level=LEVEL)
+    chosen = challenger if gain[1] > 0 else single
+    return Choice(chosen, single, challenger, gain, acc, len(dev[single]))
