@@ -342,9 +342,11 @@ def test_rows_sharing_a_memo_give_the_numbers_each_gives_alone(llamacpp_members)
 
     ms = [llamacpp_members[f] for f in ("smollm2", "gemma3", "qwen")]
     rows = [Ensemble.single(ms[0]), Ensemble(ms), Ensemble(ms, method="unite"),
-            Ensemble(ms, gate=ms[0].name, threshold=0.5), Ensemble.single(ms[2])]
+            Ensemble(ms, gate=ms[0].name, threshold=0.5), Ensemble.single(ms[2]),
+            Ensemble(ms, method_params={"prompt_weights": 0.1})]
     requests = [("Question: Which is a liquid?\nAnswer:", c) for c in (" water", " a rock that melts", " wood")]
     alone = [ens.loglikelihood(requests) for ens in rows]
     memo = RowMemo()
     assert [ens.loglikelihood(requests, memo=memo) for ens in rows] == alone
-    assert memo.hits + memo.misses == 11 * len(requests) and memo.misses <= 4 * len(requests)  # 3 rows cut by ms[0]
+    # 3 rows cut by ms[0] share; the prompt-weighted row neither shares nor takes rows (its own prefill)
+    assert memo.hits + memo.misses == 11 * len(requests) and memo.misses <= 4 * len(requests)

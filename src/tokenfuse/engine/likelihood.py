@@ -32,7 +32,13 @@ A ``RowMemo`` (one-forward path only) shares a member's rows between scorings of
 requests: when a member's ids before every piece of a request are the very lists an earlier scoring
 computed (same member, same context and cuts — e.g. every method of ``tokenfuse eval`` with the same
 primary member, and the primary member alone), the rows are taken from the memo instead of being
-computed again by the same forward. ``tokenfuse eval`` keeps one memo per batch of items. Where a backend's numbers do not depend on that (transformers; llama.cpp
+computed again by the same forward. ``tokenfuse eval`` keeps one memo per batch of items. Only whole
+requests are shared: llama.cpp's numbers depend on how a sequence is cut into calls (measured: a
+position's distribution taken from another request's forward changed likelihoods), so a row is
+shared only where the very same feed would compute it. For the same reason an ensemble with PackLLM
+prompt weights neither shares nor takes rows (its prefill goes through prompt scoring, cut in
+``PROMPT_CHUNK`` calls: taking ``gac``'s rows instead changed its likelihoods by up to 0.22, mean
+0.04, on 32 ARC-Easy options of the real members). Where a backend's numbers do not depend on that (transformers; llama.cpp
 for some quantisation types) they agree to float rounding; docs/evaluation.md gives what was
 measured where they do not.
 """
@@ -170,6 +176,7 @@ def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], 
     computed = decider.computed()
     if decider.prompt_tau is not None:  # PackLLM weights: each member scores its prompt first (its prefill)
         decider.score_prompts(seqs)
+        memo = None  # that prefill cuts the prompt into other calls than one feed would: no rows to share
     # 1. every member's ids before each piece (re-sync needs the bytes only, not the members' outputs)
     before: list[dict[int, list[list[int]]]] = [{i: [] for i in computed} for _ in seqs]
     with decider.timer.stage("resync"):
