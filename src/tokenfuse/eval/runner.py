@@ -188,14 +188,40 @@ def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = Fal
 
 def run_task(cfg, members, union, task, specs: Sequence[MethodSpec],
              settings: EvalSettings) -> dict[str, list[dict]]:
-    """Run (or resume) every row of one task; returns the records per method, in item order (and,
-    with an ``auto`` row, its choice in ``settings.auto_choices``)."""
+    """Run (or resume) every row of one task; returns the records per method, in item order. With an
+    ``auto`` row its choice is made on dev items first (``choose_on_dev``, recorded in
+    ``settings.auto_choices``) and the chosen configuration runs with the table's rows."""
     items = task.subset(settings.limits.get(task.name, settings.limit), settings.seed)
     table = [s for s in specs if s.kind != "auto"]
-    records = run_rows(cfg, members, union, task, table, items, settings)
-    if len(table) < len(specs):
-        records["auto"] = run_auto(cfg, members, union, task, table, items, records, settings)
+    chosen = choose_on_dev(cfg, members, union, task, table, settings) if len(table) < len(specs) else None
+    extra = [chosen] if chosen is not None and chosen.name not in {s.name for s in table} else []
+    records = run_rows(cfg, members, union, task, table + extra, items, settings)
+    if chosen is not None:
+        form = task_form(task, settings.mc)
+        rows = [{**r, "method": "auto", "chosen": chosen.name} for r in records[chosen.name]]
+        path = item_file(Path(settings.out), task.name, form, "auto")
+        path.unlink(missing_ok=True)  # derived from the chosen configuration's records: rewritten every run
+        append_records(path, rows)
+        records = {s.name: records[s.name] for s in table} | {"auto": rows}
     return records
+
+
+def choose_on_dev(cfg, members, union, task, table: Sequence[MethodSpec], settings: EvalSettings) -> MethodSpec:
+    """``auto`` (``tokenfuse.eval.auto``): every table row and candidate on the dev items, then the
+    choice; returns the chosen row or candidate."""
+    from tokenfuse.eval import auto
+
+    form = task_form(task, settings.mc)
+    dev_items = task.dev_subset(settings.dev_limit or auto.DEV_LIMITS[form], settings.seed)
+    if not dev_items:
+        raise TokenfuseError(f"auto: task {task.name!r} has no dev items to choose on")
+    singles = [s for s in table if s.name.startswith("single:")]
+    dev = run_rows(cfg, members, union, task, singles, dev_items, settings, split="dev")
+    extra = auto.candidates(cfg, dev)  # they follow the members' dev accuracies; then all rows share forwards
+    dev.update(run_rows(cfg, members, union, task, [*table, *extra], dev_items, settings, split="dev"))
+    choice = auto.choose(dev)
+    settings.auto_choices[task.name] = choice.as_dict()
+    return next(s for s in [*table, *extra] if s.name == choice.chosen)
 
 
 def run_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
@@ -223,31 +249,6 @@ def run_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequ
         done = read_records(path)
         records[spec.name] = [done[str(it["id"])] for it in items]
     return records
-
-
-def run_auto(cfg, members, union, task, table: Sequence[MethodSpec], items: Sequence[dict],
-             records: dict[str, list[dict]], settings: EvalSettings) -> list[dict]:
-    """``auto`` (``tokenfuse.eval.auto``): every table row and candidate on the dev items, the choice,
-    then the chosen configuration's records on the test items (run here if it is not a table row)."""
-    from tokenfuse.eval import auto
-
-    form = task_form(task, settings.mc)
-    dev_items = task.dev_subset(settings.dev_limit or auto.DEV_LIMITS[form], settings.seed)
-    if not dev_items:
-        raise TokenfuseError(f"auto: task {task.name!r} has no dev items to choose on")
-    dev = run_rows(cfg, members, union, task, table, dev_items, settings, split="dev")
-    extra = auto.candidates(cfg, dev)
-    dev.update(run_rows(cfg, members, union, task, extra, dev_items, settings, split="dev"))
-    choice = auto.choose(dev)
-    settings.auto_choices[task.name] = choice.as_dict()
-    if choice.chosen not in records:
-        spec = next(s for s in extra if s.name == choice.chosen)
-        records = {**records, **run_rows(cfg, members, union, task, [spec], items, settings)}
-    rows = [{**r, "method": "auto", "chosen": choice.chosen} for r in records[choice.chosen]]
-    path = item_file(Path(settings.out), task.name, form, "auto")
-    path.unlink(missing_ok=True)  # derived from the chosen row's records: rewritten every run
-    append_records(path, rows)
-    return rows
 
 
 def run_generate_row(cfg, members, union, task, spec: MethodSpec, items: Sequence[dict],
