@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from tokenfuse.engine import Likelihood
 from tokenfuse.config import config_from_models
-from tokenfuse.eval.methods import answer_key, majority_vote, mbr_select, parse_methods, plan_methods
+from tokenfuse.eval.methods import MethodSpec, answer_key, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.report import markdown_table, summarise
 from tokenfuse.eval.runner import EvalSettings, run_eval
 from tokenfuse.eval.stats import bootstrap_ci, paired_bootstrap, paired_bootstrap_mean
@@ -312,6 +313,26 @@ def test_auto_candidates_follow_the_dev_accuracies():
     assert (kept.method, kept.primary_name, kept.gate) == ("unite", "b", None) and "auto:gac@kept" in specs
 
 
+def test_auto_chosen_config():
+    from tokenfuse.config import parse_config
+    from tokenfuse.eval.auto import Choice, candidates, chosen_config, config_text
+
+    cfg = parse_config({"members": [{"name": "a"}, {"name": "b"}, {"name": "c"}], "method": "unite"})
+    dev = _dev({"single:a": [1] * 7 + [0] * 3, "single:b": [1] * 8 + [0] * 2, "single:c": [1] * 3 + [0] * 7})
+    specs = {s.name: s for s in candidates(cfg, dev)}
+    kept = chosen_config(cfg, specs["auto:gac@kept"])
+    assert ([m.name for m in kept.members], kept.method, kept.primary_name) == (["a", "b"], "gac", "b")
+    gated = chosen_config(cfg, specs["auto:gated@0.3"])
+    assert ([m.name for m in gated.members], gated.gate, gated.threshold) == (["a", "b", "c"], "b", 0.3)
+    alone = chosen_config(cfg, MethodSpec("single:c", "engine", ("c",)))
+    assert [m.name for m in alone.members] == ["c"] and alone.gate is None
+    assert chosen_config(cfg, MethodSpec("vote", "output", ("a", "b", "c"))) is None
+    text = config_text(gated, Choice("auto:gated@0.3", "single:b", "auto:gated@0.3", None, {"single:b": 0.8}, 10),
+                       task="arc_easy")
+    assert text.startswith("# Chosen by `tokenfuse eval`'s auto row on arc_easy") and "#   single:b: 80.0" in text
+    assert [m.name for m in parse_config(yaml.safe_load(text)).members] == ["a", "b", "c"]
+
+
 def test_auto_choice_needs_a_clear_gain_on_dev():
     from tokenfuse.eval.auto import choose
 
@@ -328,6 +349,7 @@ def test_auto_choice_needs_a_clear_gain_on_dev():
 
 def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path, monkeypatch):
     from tokenfuse.engine import Ensemble
+    from tokenfuse.config import load_config
     from tokenfuse.eval.auto import THRESHOLDS, choose
     from tokenfuse.eval.records import read_records
 
@@ -357,6 +379,12 @@ def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path
         auto = read_records(out / "items" / f"{task}-{form}" / "auto.jsonl")
         assert {i: r["correct"] for i, r in auto.items()} == {i: r["correct"] for i, r in read_records(chosen_file).items()}
         assert {r["chosen"] for r in auto.values()} == {expected.chosen}
+        if res["auto"][task]["config"]:  # the chosen configuration, as a config generate runs
+            written = load_config(res["auto"][task]["config"])
+            want = ["s"] if expected.chosen == "single:s" else ["q"] if expected.chosen == "single:q" else ["s", "q"]
+            assert [m.name for m in written.members] == want
+        else:
+            assert expected.chosen in ("vote", "mbr", "seq-avg")
     assert "`auto`'s choice per task" in (out / "results.md").read_text()
 
     def boom(*a, **k):

@@ -15,6 +15,10 @@ rows, vote / MBR / sequence average):
   (``tokenfuse.select.select_members``: members more than 10 points behind the best are dropped,
   weight 0), the best member primary; only when it keeps two members or more.
 
+The chosen configuration is also written as a config (``chosen_config``, ``auto/<task>.yaml`` under
+``--out``) that ``tokenfuse generate --config`` runs — not for ``vote``/``mbr``/``seq-avg``, which
+are not one ensemble.
+
 Choice (``choose``): the best member on dev (ties: member order) unless the best other candidate
 (ties: candidate order) beats it on dev with its paired bootstrap ``LEVEL`` interval (1,000
 resamples, seed 0) wholly above 0 — so ``auto`` ends with one member alone unless an ensemble is
@@ -106,3 +110,31 @@ def choose(dev: dict[str, Sequence[dict]]) -> Choice:
     gain = paired_bootstrap(*paired_correct(dev[challenger], dev[single]), level=LEVEL)
     chosen = challenger if gain[1] > 0 else single
     return Choice(chosen, single, challenger, gain, acc, len(dev[single]))
+
+
+def chosen_config(cfg, spec: MethodSpec):
+    """The ``EnsembleConfig`` of a chosen row or candidate (members with weight 0 left out), or
+    ``None`` for an output-level row."""
+    from tokenfuse.config import parse_config
+
+    if spec.kind == "output":
+        return None
+    if spec.name.startswith("single:"):
+        keep = {spec.members[0]}
+        data = cfg.model_dump() | {"primary": None, "gate": None, "threshold": None}
+    else:
+        variant = cfg.with_overrides(**spec.overrides, origin=f"auto {spec.name}")
+        keep = {m.name for m in variant.members if m.weight > 0} | ({variant.gate} if variant.gate else set())
+        data = variant.model_dump()
+    data["members"] = [m for m in data["members"] if m["name"] in keep]
+    return parse_config(data, origin=f"auto {spec.name}")
+
+
+def config_text(config, choice: Choice, *, task: str) -> str:
+    """The chosen config as YAML under a comment header with the dev accuracies it was chosen on."""
+    from tokenfuse.select import config_yaml
+
+    head = [f"# Chosen by `tokenfuse eval`'s auto row on {task}: {choice.chosen}, on {choice.n} dev items "
+            "(never the test items).", "# dev accuracy of every candidate:"]
+    head += [f"#   {name}: {100 * acc:.1f}" for name, acc in sorted(choice.dev_acc.items(), key=lambda t: -t[1])]
+    return "\n".join(head) + "\n" + config_yaml(config)

@@ -220,8 +220,16 @@ def choose_on_dev(cfg, members, union, task, table: Sequence[MethodSpec], settin
     extra = auto.candidates(cfg, dev)  # they follow the members' dev accuracies; then all rows share forwards
     dev.update(run_rows(cfg, members, union, task, [*table, *extra], dev_items, settings, split="dev"))
     choice = auto.choose(dev)
-    settings.auto_choices[task.name] = choice.as_dict()
-    return next(s for s in [*table, *extra] if s.name == choice.chosen)
+    spec = next(s for s in [*table, *extra] if s.name == choice.chosen)
+    config = auto.chosen_config(cfg, spec)
+    info = choice.as_dict() | {"config": None}
+    if config is not None:
+        path = Path(settings.out) / "auto" / f"{task.name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(auto.config_text(config, choice, task=task.name), encoding="utf-8")
+        info["config"] = str(path)
+    settings.auto_choices[task.name] = info
+    return spec
 
 
 def run_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
