@@ -153,7 +153,7 @@ def test_transformers_lines_show_with_a_handler_as_verbose_sets_one(routed):
 
 
 # ---------------------------------------------------------------------------------------- a command's steps
-def test_eval_writes_one_line_per_task_and_method(make_tiny, one_thread, tmp_path, clock, capsys):
+def test_eval_writes_one_line_per_task_and_row(make_tiny, one_thread, tmp_path, clock, capsys):
     from tokenfuse.config import config_from_models
     from tokenfuse.engine import Ensemble
     from tokenfuse.eval.records import item_file, read_records
@@ -164,16 +164,25 @@ def test_eval_writes_one_line_per_task_and_method(make_tiny, one_thread, tmp_pat
     data.write_text("".join(json.dumps({"id": f"arc-{i}", "question": q, "choices": ch, "answer": a}) + "\n"
                             for i, (q, ch, a) in enumerate([("Which is a liquid?", ["rock", "water"], "B"),
                                                             ("Which is hot?", ["ice", "fire"], "B")])))
+    qa = tmp_path / "data" / "triviaqa"
+    qa.mkdir()
+    for split in ("test", "dev"):
+        (qa / f"{split}.jsonl").write_text(json.dumps({"id": "tq-0", "question": "2+2?", "answer": "4",
+                                                        "aliases": ["4"]}) + "\n")
     members = [make_tiny("smollm2", seed=1, name="s"), make_tiny("qwen", seed=2, name="q")]
     out = tmp_path / "out"
-    settings = EvalSettings(tasks=["arc_easy"], methods=["single", "gac"], limit=2, data=str(tmp_path / "data"),
-                            out=str(out), batch_size=2, num_fewshot=0)
+    settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods=["single", "gac"], limit=2,
+                            data=str(tmp_path / "data"), out=str(out), batch_size=2, num_fewshot=0,
+                            max_new_tokens={"triviaqa": 2})
     run_eval(config_from_models("s,q"), settings, members=members, union=Ensemble(members).union,
              log=lambda msg: None)
-    lines = []
     for method in ("single:s", "single:q", "gac"):
-        records = read_records(item_file(out, "arc_easy", "likelihood", method)).values()
-        assert len(records) == 2
-        acc = sum(r["correct"] for r in records) / 2
-        lines.append(f"eval arc_easy {method}: 2/2 items in 0.0 s, 0.0 items/min, acc={acc:.3f}\n")
+        assert len(read_records(item_file(out, "arc_easy", "likelihood", method))) == 2
+    # the likelihood form runs its rows together: one line for the task, with the share of members'
+    # forwards one row took from another (gac takes s's as primary; one-word options cut alike for q)
+    lines = ["eval arc_easy-likelihood (3 rows): 2/2 items in 0.0 s, 0.0 items/min, shared=75%\n"]
+    for method in ("single:s", "single:q", "gac"):  # the generate form: one line per row
+        (record,) = read_records(item_file(out, "triviaqa", "generate", method)).values()
+        lines.append(f"eval triviaqa-generate {method}: 1/1 items in 0.0 s, "  # one item: no rate
+                     f"acc={float(record['correct']):.3f}\n")
     assert capsys.readouterr() == ("", "".join(lines))

@@ -5,7 +5,7 @@ bench, DeePEn's matrices) goes through ``progress_bar``. When the stream (standa
 default) is a terminal, it is a ``tqdm.auto`` bar; when it is not (a log file, a pipe, CI), no bar
 is drawn and, when the step finishes (the bar is closed), one line is written::
 
-    eval arc_easy gac: 40/40 items in 58.3 s, 41.2 items/min, acc=0.550
+    eval triviaqa-generate gac: 40/40 items in 58.3 s, 41.2 items/min, acc=0.550
 
 (the description, the count, the time, the rate over this run's own items, then the postfix if
 any). ``enabled=False`` shows nothing in either mode (the commands' ``--quiet``).
