@@ -358,11 +358,12 @@ def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path
         json.dumps({**r, "id": f"dev-{r['id']}"}) + "\n" for r in ARC), encoding="utf-8")
     cfg = config_from_models("s,q")
     out = tmp_path / "out"
-    settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods=["single", "gac", "auto"], limit=3,
+    settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods="single,gac,auto", limit=3,  # as the CLI gives it
                             data=str(data_dir), out=str(out), batch_size=2, num_fewshot=0,
                             max_new_tokens={"triviaqa": 2}, progress=False, dev_limit=3)
     res = run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
     assert set(res["auto"]) == {"arc_easy", "triviaqa"} and "auto" in res["overview"]
+    assert res["settings"]["methods"] == ["single", "gac", "auto"]
     for task, form in (("arc_easy", "likelihood"), ("triviaqa", "generate")):
         dev_dir = out / "items" / f"{task}-{form}-dev"
         files = {p.stem.replace("__", ":"): list(read_records(p).values()) for p in dev_dir.iterdir()}

@@ -75,6 +75,8 @@ def row_order(method: str) -> int:
 def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], forms: dict[str, str], *,
               wall_seconds: float = 0.0) -> dict:
     """``results.json`` content: per task and method the summary, plus the per-method overview."""
+    from tokenfuse.eval.methods import parse_methods
+
     tasks = {t: {m: method_summary(recs, form=forms[t]) for m, recs in per.items()}
              for t, per in all_records.items()}
     methods = sorted(dict.fromkeys(m for per in all_records.values() for m in per), key=row_order)
@@ -123,7 +125,7 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
                                            for t in covered])
         overview[m]["vs_task_best"] = {"members": dict(task_best), "gain": d, "ci": [lo, hi]}
     return {"members": [m.name for m in cfg.members], "primary": cfg.primary_name,
-            "settings": {"tasks": list(settings.tasks), "methods": list(settings.methods), "limit": settings.limit,
+            "settings": {"tasks": list(settings.tasks), "methods": parse_methods(settings.methods), "limit": settings.limit,
                          "limits": dict(settings.limits), "seed": settings.seed, "mc": settings.mc,
                          "batch_size": settings.batch_size, "max_new_tokens": dict(settings.max_new_tokens)},
             "forms": forms, "tasks": tasks, "overview": overview, "best_member": best,
