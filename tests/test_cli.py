@@ -36,7 +36,8 @@ def fake_load(monkeypatch, tiny_members, align_cache):
         for m, c in zip(members, cfg.members):
             m.weight = c.weight
         return Ensemble(members, method=cfg.method, method_params=cfg.params, gate=cfg.gate,
-                        threshold=cfg.threshold, window=cfg.window, align_cache=align_cache)
+                        threshold=cfg.threshold, window=cfg.window, align_cache=align_cache,
+                        speculative=cfg.speculative.model_dump() if cfg.speculative is not None else None)
 
     monkeypatch.setattr(tokenfuse.load, "load_ensemble", load_ensemble)
     return seen
@@ -125,6 +126,7 @@ def test_flag_errors_are_one_line(capsys, fake_load, argv, needle):
     (["--backends", "gpu"], "--backends: unknown backend gpu"),
     (["--repeats", "0"], "--repeats: expected a whole number >= 1"),
     (["--max-new-tokens", "many"], "--max-new-tokens"),
+    (["--speculative-k", "0"], "--speculative-k: expected comma-separated whole numbers >= 1"),
 ])
 def test_bench_flag_errors_are_one_line(capsys, fake_load, argv, needle):
     code, out, err = run(capsys, "bench", *argv)
@@ -160,6 +162,20 @@ def test_generate_json(capsys, fake_load):
     # the same text as the library gives for the same config
     ens = tokenfuse.load.load_ensemble(fake_load[0])
     assert data["text"] == ens.generate("The capital of France is", max_new_tokens=12).text
+
+
+def test_generate_speculative_flags(capsys, fake_load):
+    code, out, err = run(capsys, "generate", "The capital of France is", *MODELS, "--max-new-tokens", "12",
+                         "--draft", "qwen", "--draft-k", "3", "--json")
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    assert data["speculative"]["draft"] == "qwen" and 0 <= data["speculative"]["accepted"] <= data["speculative"]["drafted"]
+    assert fake_load[0].speculative.model_dump() == {"draft": "qwen", "k": 3, "adapt": True}
+    plain = json.loads(run(capsys, "generate", "The capital of France is", *MODELS, "--max-new-tokens", "12", "--json")[1])
+    assert data["text"] == plain["text"] and "speculative" not in plain
+    code, out, err = run(capsys, "generate", "hi", *MODELS, "--draft", "llama")
+    assert (code, out) == (2, "")
+    assert "speculative.draft: 'llama' is not a member (members: smollm2, qwen, gemma3)" in one_error_line(err)
 
 
 def test_generate_passes_the_flags_through(capsys, fake_load):

@@ -229,7 +229,7 @@ def test_with_overrides_refuses_unknown_options():
     with pytest.raises(ConfigError) as info:
         cfg.with_overrides(colour="red", origin="tokenfuse")
     assert str(info.value) == ("tokenfuse: unknown option(s) colour; "
-                               "allowed: method, params, gate, threshold, primary, agreement_skip, scoring, weights")
+                               "allowed: method, params, gate, threshold, primary, agreement_skip, scoring, weights, speculative")
     with pytest.raises(ConfigError, match="^model_args: method: unknown combiner 'gca'"):
         cfg.with_overrides(method="gca", origin="model_args")
     with pytest.raises(ConfigError, match="^overrides: params: expected a mapping"):

@@ -90,3 +90,18 @@ def test_fast_tokenizer_matches_auto_tokenizer(tokenizer_dirs, tokenizers, famil
     fm, am = _M(), _M()
     fm.tokenizer, am.tokenizer = fast, auto
     assert fm.render_chat(msgs) == am.render_chat(msgs)
+
+
+def test_load_ensemble_builds_transformers_members_in_threads(real_members):
+    """``load_ensemble`` loads members in threads; transformers builds each model under a device mode
+    that is not private to a thread, so without ``TRANSFORMERS_BUILD_LOCK`` the three bundled models
+    failed to load together ("Cannot copy out of meta tensor")."""
+    from tokenfuse.bundled import DEFAULT_ENSEMBLE
+    from tokenfuse.config import parse_config
+    from tokenfuse.load import load_ensemble
+
+    cfg = parse_config({"members": [{"name": n, "backend": "transformers"} for n in DEFAULT_ENSEMBLE]})
+    ens = load_ensemble(cfg, progress=False)
+    assert all(p.device.type == "cpu" for m in ens.members for p in m.model.parameters())
+    expected = Ensemble(list(real_members.values())).generate(PROMPT, max_new_tokens=4).output
+    assert ens.generate(PROMPT, max_new_tokens=4).output == expected

@@ -267,6 +267,20 @@ def test_concurrent_requests_identical_to_sequential(ens, members, align_cache):
     sched.stop()
 
 
+def test_a_speculative_ensemble_serves_plain_decodings(ens, members, align_cache):
+    """A server on a speculative ensemble: several pieces per step for greedy requests (streamed or
+    not, concurrent), the same texts as plain decoding; a sampled request shares the steps."""
+    spec = Ensemble(members, align_cache=align_cache, speculative={"draft": "C", "k": 3})
+    app = create_app(spec)
+    assert app.state.server.config.speculative.draft == "C"
+    requests = [{"prompt": p, "max_tokens": 5 + 4 * i, "stream": i % 2 == 0} for i, p in enumerate(PROMPTS[:4])]
+    requests.append({"prompt": PROMPTS[1], "max_tokens": 9, "temperature": 0.7, "seed": 3})
+    expected = [ens.generate(r["prompt"], max_new_tokens=r["max_tokens"]).text for r in requests[:-1]]
+    expected.append(ens.generate(PROMPTS[1], max_new_tokens=9, sampling=Sampling(temperature=0.7, seed=3)).text)
+    assert asyncio.run(_concurrent(app, requests)) == expected
+    app.state.scheduler.stop()
+
+
 def _scope(payload: bytes) -> dict:
     """The ASGI scope of ``POST /v1/completions`` with a JSON body."""
     return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",

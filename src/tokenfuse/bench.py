@@ -4,7 +4,8 @@ Rows, for each backend asked for (llama.cpp and transformers by default): each m
 method asked for (``gac,unite`` by default) every step with agreement skip (the default for greedy
 decoding) and without it (``-noskip``); GaC with the members one after another instead of in
 threads; GaC recording the step trace (``gac-trace``: its cost against the ``gac`` row, which
-records nothing); and GaC thresholded at each ``t`` with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
+records nothing); speculative GaC (``gac-speculative-kK`` for each ``K`` in ``speculative``: the
+default drafter, its acceptance and how many outputs equal the ``gac`` row's); and GaC thresholded at each ``t`` with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
 first. Each round runs every row on every prompt before the next round, so machine drift hits all
 rows alike. ms/token counts decode only: wall time from the first chosen piece (prompt prefill
 done) to the last, divided by the pieces after the first; stages likewise. ``ensembled_share`` is
@@ -66,7 +67,8 @@ def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int, trace: Trace
     if n == 0:
         return None
     stages = {k: 1000 * v / n for k, v in ens.timer.since(before, wall).items() if k in STAGE_KEYS}
-    return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, "skip": s.skipped, **stages}
+    return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, "skip": s.skipped, "drafted": s.drafted,
+            "accepted": s.accepted, "output": bytes(s.output), **stages}
 
 
 def _rss_mb() -> float:
@@ -146,7 +148,8 @@ def tokenizer_times(names, *, root: Path, compare_transformers: bool = False) ->
 
 def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max_new_tokens: int = 32,
               repeats: int = 3, thresholds=(0.3, 0.5, 0.7), quick: bool = False, json_path: str | None = None,
-              plot_path: str | None = None, methods=("gac", "unite"), compare_transformers: bool = False) -> dict:
+              plot_path: str | None = None, methods=("gac", "unite"), compare_transformers: bool = False,
+              speculative=(4,)) -> dict:
     from tokenfuse.bundled import BUNDLED, MARK_MODEL
     from tokenfuse.load import ensemble_from_members
     from tokenfuse.paths import cache_dir
@@ -199,6 +202,8 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
                 add(f"{method}-noskip", method=method, agreement_skip=False)
             add("gac-sequential", method="gac", parallel=False)
             add("gac-trace", method="gac", trace=True)
+            for k in speculative:
+                add(f"gac-speculative-k{k}", method="gac", speculative={"k": k})
             for t in thresholds:
                 add(f"gac-t{t}", method="gac", gate=members[0].name, threshold=t)
 
@@ -240,8 +245,10 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
             "agreement_skip": ens.agreement_skip,
             "steps": steps,
             "peak_rss_mb": round(r["rss"], 1),
+            **_speculative_figures(ens, s),
         })
     _add_floors(table)
+    _add_identical(table, rows)
     result = {"rows": table, "loads": loads, "tokenizers": tokenizers, "union": union_times,
               "union_size": max(len(r["ens"].union) for r in rows),
               "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(prompts),
@@ -252,6 +259,26 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     if plot_path:
         plot(result, plot_path)
     return result
+
+
+def _speculative_figures(ens: Ensemble, samples: list[dict]) -> dict:
+    """A speculative row's drafter, pieces drafted and the share of them the ensemble chose."""
+    if ens.speculator is None:
+        return {}
+    drafted = sum(x["drafted"] for x in samples)
+    return {"draft": ens.members[ens.speculator.options.draft].name, "draft_k": ens.speculator.options.k,
+            "drafted": drafted, "acceptance": round(sum(x["accepted"] for x in samples) / max(drafted, 1), 4)}
+
+
+def _add_identical(table: list[dict], rows: list[dict]) -> None:
+    """A speculative row's outputs against its backend's ``gac`` row, generation by generation:
+    ``identical``, the number that are byte-identical, of ``compared``."""
+    outputs = {r["name"]: [x["output"] for x in r["samples"]] for r in rows}
+    for t in table:
+        plain = outputs.get(f"{t['backend']}:gac")
+        if "draft" in t and plain is not None:
+            mine = outputs[t["name"]]
+            t["identical"], t["compared"] = sum(a == b for a, b in zip(mine, plain)), min(len(mine), len(plain))
 
 
 def _add_floors(table: list[dict]) -> None:
@@ -281,6 +308,9 @@ def _print(result: dict) -> None:
         elif len(r["members"]) > 1:
             alone = [singles[b + ":" + m] for m in r["members"]]
             ref = f"{r['ms_per_token'] / sum(alone):.3f}x sum of members, {r['ms_per_token'] / max(alone):.3f}x slowest"
+            if "draft" in r:
+                ref += (f"; draft {r['draft']}, {100 * r['acceptance']:.0f}% accepted"
+                        + (f", {r['identical']}/{r['compared']} outputs = gac" if "identical" in r else ""))
         elif b != "transformers" and "transformers:" + r["members"][0] in singles:
             speedup = singles["transformers:" + r["members"][0]] / r["ms_per_token"]
             ref = f"{speedup:.2f}x faster than transformers"

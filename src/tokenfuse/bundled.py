@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ MARK_MODEL = "tokenfuse-model.json"
 # Version of the cached tokenizer files; a mark without it (or with another) is not a cache hit.
 # 2: tokenizer.json identical to the transformers conversion on the bundled models, built from GGUF metadata.
 TOKENIZER_VERSION = 2
+# transformers builds a model under ``torch.device("meta")``, a PyTorch mode that is not private to
+# the building thread: two models built in threads at once (members load in threads) can leave one's
+# weights on the meta device ("Cannot copy out of meta tensor"). Every transformers model build
+# (``from_pretrained``: a bundled model's conversion, a transformers member's load) takes this lock.
+TRANSFORMERS_BUILD_LOCK = threading.Lock()
 
 
 def _package_dir(module: str) -> Path:
@@ -166,7 +172,8 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
 
         bar.set_postfix_str("dequantising")
         t0 = time.perf_counter()
-        lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with TRANSFORMERS_BUILD_LOCK:
+            lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         bar.update(1)
         bar.set_postfix_str("saving")
         # The weights are already dequantised to fp32; drop the GGUF quantizer so they save as safetensors.

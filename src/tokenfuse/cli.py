@@ -47,6 +47,19 @@ def _thresholds(text: str) -> list[float]:
     return out
 
 
+def _draft_ks(text: str) -> tuple[int, ...]:
+    """Comma-separated pieces-per-round values (each at least 1), or ``none``."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        out = tuple(int(k) for k in _items(text))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 (e.g. 2,4) or none; got {text!r}")
+    return out
+
+
 def _methods(text: str) -> tuple[str, ...]:
     from tokenfuse.combiners import REGISTRY
 
@@ -127,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add every step to the --json output (implies --json): the chosen piece, its combined "
                         "probability, each member's top-k, gated / ensembled / skipped (docs/serving.md)")
     g.add_argument("--trace-k", type=int, default=5, metavar="K", help="top-k per member in --trace (default 5)")
+    g.add_argument("--speculative", action="store_true",
+                   help="speculative decoding (greedy only; the same output as without it on transformers members, "
+                        "not always on llama.cpp ones, and measured slower there: README)")
+    g.add_argument("--draft", metavar="NAME", help="the drafting member (implies --speculative; default: the smallest)")
+    g.add_argument("--draft-k", type=_positive, metavar="K", help="pieces drafted per round at most (implies "
+                                                                   "--speculative; default 4)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
     sub.add_parser("models", help="list the bundled models: installed? converted?")
@@ -138,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--thresholds", type=_thresholds, default="0.3,0.5,0.7", help="thresholds for the gated rows")
     b.add_argument("--methods", type=_methods, default="gac,unite",
                    help="combiners to compare (each with and without agreement skip)")
+    b.add_argument("--speculative-k", type=_draft_ks, default="4", metavar="K[,K...]",
+                   help="a gac-speculative-kK row per value: speculative GaC drafting up to K pieces per round "
+                        "(acceptance and outputs identical to the gac row reported; none: no such row)")
     b.add_argument("--quick", action="store_true",
                    help="reduced run (two prompts, one round, 16 pieces; members alone for the second backend)")
     b.add_argument("--json", dest="json_path", help="also write the rows to this JSON file")
@@ -244,6 +266,8 @@ def _generate(args: argparse.Namespace) -> int:
         "agreement_skip": "auto" if ens.agreement_skip is None else ens.agreement_skip,
         "gate": cfg.gate,
         "threshold": cfg.threshold,
+        **({"speculative": {"draft": ens.members[ens.speculator.options.draft].name, "drafted": g.drafted,
+                            "accepted": g.accepted}} if ens.speculator is not None else {}),
         "load_s": round(load_s, 3),
         "union_size": len(ens.union),
         "union_build_s": round(ens.union.build_seconds, 3),
@@ -281,7 +305,7 @@ def _bench(args: argparse.Namespace) -> int:
     run_bench(cfg, backends=args.backends, max_new_tokens=args.max_new_tokens,
               repeats=1 if args.quick else args.repeats, thresholds=args.thresholds, quick=args.quick,
               json_path=args.json_path, plot_path=args.plot_path, compare_transformers=args.compare_transformers,
-              methods=args.methods)
+              methods=args.methods, speculative=args.speculative_k)
     return 0
 
 

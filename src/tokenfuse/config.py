@@ -22,7 +22,8 @@ from tokenfuse.engine import check_members
 from tokenfuse.errors import ConfigError
 
 # The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
-ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "scoring", "weights")
+ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "scoring", "weights",
+                    "speculative")
 
 
 class _Strict(BaseModel):
@@ -94,6 +95,17 @@ class DecodingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding of greedy sequences (``tokenfuse.engine.speculative``): the drafter member
+    (default: the one with the smallest weights) proposes up to ``k`` pieces per round, every
+    member checks them in one chunked forward; ``adapt``: the next round drafts one more piece than
+    were accepted."""
+
+    draft: str | None = None
+    k: int = Field(4, ge=1, le=32)
+    adapt: bool = True
+
+
 class EnsembleConfig(_Strict):
     """An ensemble: members, the combining method and its parameters, gate/threshold, decoding."""
 
@@ -117,6 +129,8 @@ class EnsembleConfig(_Strict):
     ray_max_restarts: int = Field(0, ge=0)  # ray: restarts of a dead member actor (its sequences are re-sent whole)
     ray_call_timeout: float | None = Field(None, gt=0)  # ray: seconds before a member call counts as unavailable
     on_member_failure: Literal["error", "skip"] = "error"  # skip: a failed remote/Ray member is left out
+    # greedy speculative decoding; off by default (on the bundled llama.cpp members it was measured slower: README)
+    speculative: SpeculativeConfig | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> EnsembleConfig:
@@ -130,6 +144,7 @@ class EnsembleConfig(_Strict):
         except ConfigError as err:
             raise ValueError(str(err) + _repeat_hint(self.members)) from None
         self._adaptive_consistent()
+        self._speculative_consistent()
         if combiner_class(self.method).needs == "full":
             for i, m in enumerate(self.members):
                 if m.backend == "openai" and m.topk_fill == "error":
@@ -152,6 +167,17 @@ class EnsembleConfig(_Strict):
                 if m.backend == "openai":
                     raise ValueError(f"members.{i}.backend: params.prompt_weights (PackLLM) needs member {m.name!r}'s "
                                      "log-probabilities at every prompt position, which the OpenAI API does not give")
+
+    def _speculative_consistent(self) -> None:
+        spec = self.speculative
+        if spec is None or spec.draft is None:
+            return
+        names = [m.name for m in self.members]
+        if spec.draft not in names:
+            raise ValueError(f"speculative.draft: {spec.draft!r} is not a member (members: {', '.join(names)})")
+        if self.placement == "ray" or self.members[names.index(spec.draft)].backend == "openai":
+            raise ValueError(f"speculative.draft: {spec.draft!r} does not run in this process (placement: local, "
+                             "backend llamacpp or transformers); speculative decoding drafts with a local member")
 
     @property
     def primary_name(self) -> str:
@@ -177,7 +203,8 @@ class EnsembleConfig(_Strict):
         * ``method``: a different method clears ``params`` (another method's parameters do not
           carry over); the same method keeps them;
         * ``params``: merged key by key into the (possibly cleared) parameters;
-        * ``gate``, ``threshold``, ``primary``, ``agreement_skip``, ``scoring``: replaced;
+        * ``gate``, ``threshold``, ``primary``, ``agreement_skip``, ``scoring``, ``speculative`` (a
+          mapping of ``SpeculativeConfig``'s fields, or ``None``: off): replaced;
         * ``weights``: a list in member order, or ``{member name: weight}`` (the others kept).
 
         ``decoding`` fields (``DecodingConfig``) are merged into the decoding defaults.
@@ -192,7 +219,7 @@ class EnsembleConfig(_Strict):
                               f"allowed: {', '.join(ENSEMBLE_OPTIONS)}")
         label = {k: f"{origin}: {k}" for k in ENSEMBLE_OPTIONS} | dict(names or {})
         data = self.model_dump()
-        for key in ("method", "gate", "threshold", "primary", "agreement_skip", "scoring"):
+        for key in ("method", "gate", "threshold", "primary", "agreement_skip", "scoring", "speculative"):
             if key in options:
                 data[key] = options[key]
         if "method" in options and options["method"] != self.method:
@@ -214,7 +241,8 @@ class EnsembleConfig(_Strict):
     def from_args(cls, args: argparse.Namespace) -> EnsembleConfig:
         """The config of a command's flags: ``--config`` or ``--models`` (default: the bundled
         ensemble), then ``--method``, ``--param KEY=VALUE``, ``--gate``, ``--threshold``,
-        ``--primary``, ``--agreement-skip``, ``--scoring``, ``--weights`` and the decoding flags, each where the
+        ``--primary``, ``--agreement-skip``, ``--scoring``, ``--weights``, ``--speculative``/``--draft``/``--draft-k``
+        and the decoding flags, each where the
         command has it (a flag the command lacks or leaves unset changes nothing)."""
         def flag(name: str) -> Any:
             return getattr(args, name, None)
@@ -234,6 +262,10 @@ class EnsembleConfig(_Strict):
                     if flag(k) is not None}
         if flag("stop"):
             decoding["stop"] = list(flag("stop"))
+        if flag("speculative") or flag("draft") is not None or flag("draft_k") is not None:
+            spec = cfg.speculative.model_dump() if cfg.speculative is not None else {}
+            spec |= {k: v for k, v in (("draft", flag("draft")), ("k", flag("draft_k"))) if v is not None}
+            options["speculative"] = spec
         return cfg.with_overrides(**options, decoding=decoding, origin=flag("config") or "command line",
                                   names={"weights": "--weights", "params": "--param"})
 

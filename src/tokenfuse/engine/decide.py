@@ -173,6 +173,20 @@ class Decider:
                 decisions[r] = d
         return decisions
 
+    def decide_given(self, seqs: list[Sequence], outs: dict[int, MemberOutput]) -> list[Decision]:
+        """``decide`` from outputs already computed (``outs``: every member of ``computed()`` and the
+        primary, on every row; each row's states keep the same rows as ``logprobs``), without any
+        forward: the same groups, agreement skip, combination, choice and boundary rule. Untraced
+        sequences only (speculative verification)."""
+        decisions: list[Decision | None] = [None] * len(seqs)
+        for rows, members in self.split(outs.get(self.gate), len(seqs)):
+            pick = None if len(rows) == len(seqs) else torch.tensor(rows)
+            sub = [seqs[r] for r in rows]
+            alone = self.gate is not None and members == [self.gate]
+            for r, d in zip(rows, self._decide_group(sub, members, {i: o.rows(pick) for i, o in outs.items()}, alone)):
+                decisions[r] = d
+        return decisions
+
     def _decide_group(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
                       gated: bool, *, traced: bool = False) -> list[Decision]:
         """Decide every row of one group. With ``traced`` (some row is traced) the combination also

@@ -30,6 +30,7 @@ from tokenfuse.engine.pool import MemberPool
 from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sequence import Generation, Sequence, StepEvent
+from tokenfuse.engine.speculative import Speculator, resolve
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import PromptPiece, TopEntry, Trace, TraceOptions, TraceStep, end_text, entry_text
 from tokenfuse.errors import ConfigError
@@ -84,6 +85,9 @@ class Ensemble:
         scoring: ``loglikelihood``'s path: ``one-forward`` (each member's ids in as few chunked
             forwards as they allow) or ``stepwise`` (piece by piece, the reference); see
             ``tokenfuse.engine.likelihood``.
+        speculative: speculative decoding for greedy sequences (``tokenfuse.engine.speculative``):
+            ``{"draft": member name or None (the smallest local member), "k": pieces per round,
+            "adapt": bool}``; ``None`` (default): every step decided plainly.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class Ensemble:
         align_cache: str | Path | None = None,
         union: UnionVocab | None = None,
         scoring: str = "one-forward",
+        speculative: dict | None = None,
     ) -> None:
         names = [m.name for m in members]
         check_members(names, [m.weight for m in members], gate=gate, threshold=threshold, primary=primary)
@@ -122,6 +127,8 @@ class Ensemble:
         self.combiner.bind(Setup(self.space, self.members, self.primary, self.align_cache))
         self.decider = Decider(self.members, self.space, self.combiner, self.pool, self.timer, primary=self.primary,
                                gate=self.gate, threshold=threshold, agreement_skip=agreement_skip)
+        spec = resolve(speculative, self.members)
+        self.speculator = Speculator(self.decider, spec) if spec is not None else None
 
     @classmethod
     def single(cls, member: Member, *, window: int = 8, align_cache: str | Path | None = None,
@@ -152,10 +159,18 @@ class Ensemble:
                         trace=Trace(trace) if trace is not None else None)
 
     def step(self, active: list[Sequence]) -> list[StepEvent]:
-        """One decoding step for every sequence in ``active`` (all unfinished)."""
-        decisions = self.decider.decide(active)
-        with self.timer.stage("resync"):
-            return [s.apply(d) for s, d in zip(active, decisions)]
+        """One decoding step for every sequence in ``active`` (all unfinished): one event per
+        sequence, or with speculative decoding one or more for each sequence it runs (in order)."""
+        spec = self.speculator
+        plain = [s for s in active if spec is None or not spec.eligible(s)]
+        events: dict[int, list[StepEvent]] = {}
+        if plain:
+            decisions = self.decider.decide(plain)
+            with self.timer.stage("resync"):
+                events = {id(s): [s.apply(d)] for s, d in zip(plain, decisions)}
+        if len(plain) < len(active):
+            events |= {id(s): spec.round(s) for s in active if id(s) not in events}
+        return [ev for s in active for ev in events[id(s)]]
 
     def close(self, s: Sequence) -> None:
         """Free a sequence's per-member state (caches); safe to call twice."""

@@ -237,7 +237,7 @@ def positions(member: Member, final: SeqState, before: list[list[int]]) -> list[
             end += 1
         last = before[end - 1]
         # feed ``last`` (plus nothing more): the state's ids become it, the cache keeps the common prefix
-        final.n_valid = min(final.n_valid, _common(final.all_ids()[: final.n_valid], last), len(before[j]) - 1)
+        final.n_valid = min(final.n_valid, common_prefix(final.all_ids()[: final.n_valid], last), len(before[j]) - 1)
         _set_ids(final, last)
         out.extend(member.logprobs_at(final, [len(ids) for ids in before[j:end]]))
         j = end
@@ -248,7 +248,8 @@ def _is_prefix(a: list[int], b: list[int]) -> bool:
     return len(a) < len(b) and b[: len(a)] == a
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the common prefix of two id lists."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

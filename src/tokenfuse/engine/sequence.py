@@ -47,6 +47,8 @@ class Generation:
             likely piece was the same).
         vetoed_steps: ensembled steps where selective ensembling's boundary rule took the primary's
             piece instead of the combination's (``params.select``).
+        drafted, accepted: speculative decoding (``tokenfuse.engine.speculative``): pieces the
+            drafter proposed and how many of them the ensemble chose (0 and 0 without it).
         finish_reason: ``end`` (END chosen), ``stop`` (a stop string, trimmed) or ``length``.
         member_ids: each member's output ids at the end (they decode to ``output``).
         timings: seconds per stage for the whole call (shared by a batch).
@@ -64,6 +66,8 @@ class Generation:
     skipped_steps: int = 0
     trace: tuple[TraceStep, ...] | None = None
     vetoed_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(eq=False)
@@ -84,6 +88,8 @@ class Sequence:
         prompt_scores: with PackLLM weights, each weighted member's mean log-probability per byte of
             its prompt (member index -> nats per byte; ``None`` until scored).
         vetoed: steps where selective ensembling's boundary rule took the primary's piece.
+        drafted, accepted, draft_k: speculative decoding's pieces proposed, chosen, and the number
+            the next round drafts (0: the configured ``k``).
     """
 
     index: int
@@ -102,6 +108,9 @@ class Sequence:
     trace: Trace | None = None
     prompt_scores: dict[int, float] | None = None
     vetoed: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_k: int = 0
     _emitted: int = 0
 
     # ------------------------------------------------------------------ a step
@@ -180,6 +189,8 @@ class Sequence:
             skipped_steps=self.skipped,
             trace=tuple(self.trace.steps) if self.trace is not None else None,
             vetoed_steps=self.vetoed,
+            drafted=self.drafted,
+            accepted=self.accepted,
         )
 
     # ------------------------------------------------------------------ members

@@ -3,7 +3,7 @@
 Per step: the chosen piece (its text and exact bytes), the probability the combined distribution
 gave it, that distribution's most likely pieces, each member's own top-k tokens and whether it
 holds the chosen piece as one token, and how the step was decided (gated / ensembled / agreement
-skip; ``speculative`` stays false until speculative decoding exists).
+skip; ``speculative`` is always false: traced sequences are decoded plainly).
 
 Zero cost when off: a sequence opened without ``trace`` has ``Sequence.trace is None`` and the
 decider computes nothing extra for it. When on, a step additionally combines the members even

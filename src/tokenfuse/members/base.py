@@ -83,6 +83,8 @@ class Member(ABC):
             reads it), ``None`` when unknown.
         context_length: its context in its own tokens (``None``: unknown, not checked).
         load_seconds: time it took to load.
+        weight_bytes: the size of its weights in this process, in bytes (``None``: unknown); the
+            smallest is the default speculative drafter.
     """
 
     name: str
@@ -93,6 +95,7 @@ class Member(ABC):
     context_length: int | None = None
     load_seconds: float = 0.0
     in_process: bool = False  # its weights are in this process (``LocalMember``): logits at any position, cores to share
+    weight_bytes: int | None = None  # the size of its weights in this process (None: unknown or elsewhere)
 
     # ------------------------------------------------------------------ prompts
     @property

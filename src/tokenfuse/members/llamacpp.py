@@ -156,6 +156,7 @@ class LlamaCppMember(LocalMember):
         self.tokenizer = tokenizer
         self.weight = float(weight)
         self.path = str(gguf_path)
+        self.weight_bytes = os.path.getsize(self.path)
         self.n_batch = n_batch
         try:
             with _LOAD_LOCK:
@@ -183,6 +184,7 @@ class LlamaCppMember(LocalMember):
         m = cls.__new__(cls)
         m.name, m.tokenizer, m.weight, m.path, m.n_batch = name, other.tokenizer, float(weight), other.path, other.n_batch
         m.llm, m._lib, m.codec, m.fixed_threads = other.llm, other._lib, other.codec, other.fixed_threads
+        m.weight_bytes = other.weight_bytes
         m._init_state(prefix_cache=other.prefix_cache, multi_seq=other.multi_seq, n_ctx=other.context_length)
         return m
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tokenfuse.bundled import TRANSFORMERS_BUILD_LOCK
 from tokenfuse.errors import ModelLoadError
 from tokenfuse.members.base import LocalMember, SeqState
 from tokenfuse.members.codec import load_or_build_codec
@@ -30,6 +31,7 @@ class TransformersMember(LocalMember):
         self.tokenizer = tokenizer
         self.weight = float(weight)
         self.device = next(model.parameters()).device
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         text_config = model.config.get_text_config()
         n = getattr(text_config, "max_position_embeddings", None)
         self.context_length = n if isinstance(n, int) and n > 0 else None
@@ -101,14 +103,15 @@ def load_transformers_member(
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[dtype], **kwargs)
+        with TRANSFORMERS_BUILD_LOCK:  # one model built at a time (why: tokenfuse.bundled)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[dtype], **kwargs)
+            model.to(device)
     except OSError as err:
         raise ModelLoadError(
             f"member {name!r}: cannot load {source!r}{' (gguf_file=' + gguf_file + ')' if gguf_file else ''}: {err}. "
             "Give a local directory with config.json + safetensors, a .gguf file, or a bundled model name "
             "(see `tokenfuse models`); this machine cannot download from the hub."
         ) from err
-    model.to(device)
     tj = Path(where) / "tokenizer.json"
     content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if (tj.is_file() and not gguf_file) else None
     member = TransformersMember(name, model, tokenizer, weight=weight, content_hash=content_hash,

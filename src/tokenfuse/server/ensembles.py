@@ -23,6 +23,8 @@ def config_of(ens: Ensemble) -> EnsembleConfig:
         "method": ens.combiner.name, "params": params, "primary": names[ens.primary],
         "agreement_skip": ens.agreement_skip, "gate": names[ens.gate] if ens.gate is not None else None,
         "threshold": ens.threshold, "window": ens.window, "parallel": ens.parallel,
+        "speculative": ({"draft": names[ens.speculator.options.draft], "k": ens.speculator.options.k,
+                         "adapt": ens.speculator.options.adapt} if ens.speculator is not None else None),
     }, origin="ensemble")
 
 

@@ -221,7 +221,7 @@ class Scheduler:
 
         ens = jobs[0].ens
         try:
-            events = ens.step([j.seq for j in jobs])
+            ens.step([j.seq for j in jobs])  # one event per sequence, or several (speculative decoding)
         except MemberUnavailableError as err:
             ens.pool.quiesce()
             if self.on_member_failure == "skip":
@@ -238,9 +238,9 @@ class Scheduler:
                 self._fail(j, err)
             return
         self.steps += 1
-        for j, ev in zip(jobs, events):
+        for j in jobs:
             s = j.seq
-            if ev.finished is None and self._at_context_end(j):
+            if s.finished is None and self._at_context_end(j):
                 s.finish("length")
             steps = s.take_steps() if s.trace is not None else None
             text = "".join(st.text for st in steps) if steps is not None else s.take_text()

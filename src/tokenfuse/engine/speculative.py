@@ -1,0 +1,198 @@
+"""Speculative ensemble decoding (greedy): a drafter proposes pieces, every member checks them at once.
+
+One round for one sequence:
+
+1. **Draft.** The drafter member alone proposes up to ``k`` pieces, greedily: its most likely
+   text token's piece, appended (``Sequence.force``, which re-synchronises every member on the
+   bytes), ``k`` times — one plain one-position forward of the drafter each, exactly the forwards
+   it makes in plain decoding. A draft stops early at END, at a piece the union cannot hold, one
+   piece before the sequence's length limit and near the end of a member's context.
+2. **Verify.** Every other member that decides (the weighted ones, the gate, the primary) computes
+   its distributions before every drafted piece and after the last in as few chunked forwards as
+   its ids allow — the one-forward path of teacher forcing (``likelihood.positions``): the ids a
+   member holds before each drafted piece are the very ids plain decoding would give it there,
+   because re-synchronisation depends on the output bytes only.
+3. **Decide.** Position by position the engine's own decision is taken from those rows
+   (``Decider.decide_given``: groups, gate, agreement skip, combination, choice, boundary rule —
+   the code plain decoding runs) and applied (``Sequence.apply``: stops, limit, re-sync). While it
+   equals the drafted piece, the next position is decided; the first that differs, and the
+   position after the last drafted piece, end the round with the ensemble's own choice. Every
+   cached position past what the sequence keeps is dropped (``SeqState.n_valid``), as rollback does.
+
+So each round emits between one and ``k + 1`` pieces, each the piece plain decoding chooses from
+the same distributions: greedy output is identical wherever a member's numbers do not depend on how
+its ids are cut into forward calls (transformers, to float rounding). On llama.cpp they do (a
+one-position call takes other kernels than a chunk: docs/evaluation.md, "One-forward scoring"), so
+a near-tie can go the other way; docs/serving.md gives what was measured. Sampling, traced
+sequences, PackLLM prompt weights and members that run elsewhere are decoded plainly.
+
+``k`` adapts to what is accepted (``adapt``): the next round drafts one more piece than were
+accepted in this one (at least one, at most ``k``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenfuse.alignment.union import END
+from tokenfuse.engine.decide import Decider
+from tokenfuse.engine.likelihood import common_prefix, positions
+from tokenfuse.engine.pool import MemberOutput
+from tokenfuse.engine.sequence import Sequence, StepEvent
+from tokenfuse.errors import ConfigError
+from tokenfuse.members.base import Member
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding's options: the drafter (member index), the most pieces drafted per round
+    and whether that number adapts to the acceptance."""
+
+    draft: int
+    k: int = 4
+    adapt: bool = True
+
+
+def default_drafter(members: list[Member]) -> int:
+    """The member expected to be fastest: the smallest weights in this process (``Member.weight_bytes``);
+    the first such member if none knows its size."""
+    local = [i for i, m in enumerate(members) if m.in_process]
+    if not local:
+        raise ConfigError("speculative: needs a member that runs in this process to draft")
+    sized = [i for i in local if members[i].weight_bytes is not None]
+    return min(sized, key=lambda i: members[i].weight_bytes) if sized else local[0]
+
+
+def resolve(options: dict | None, members: list[Member]) -> Speculative | None:
+    """``Speculative`` from the config's ``speculative`` mapping (``draft``: a member name or
+    ``None`` for ``default_drafter``; ``k``; ``adapt``), or ``None`` for plain decoding."""
+    if options is None:
+        return None
+    names = [m.name for m in members]
+    draft = options.get("draft")
+    if draft is None:
+        i = default_drafter(members)
+    elif draft in names:
+        i = names.index(draft)
+    else:
+        raise ConfigError(f"speculative.draft: {draft!r} is not a member (members: {', '.join(names)})")
+    if not members[i].in_process:
+        raise ConfigError(f"speculative.draft: {draft!r} does not run in this process; choose a local member")
+    k = int(options.get("k", 4))
+    if k < 1:
+        raise ConfigError(f"speculative.k: expected at least 1, got {k}")
+    return Speculative(i, k, bool(options.get("adapt", True)))
+
+
+class Speculator:
+    """Runs speculative rounds for the sequences it can (``eligible``) with the engine's ``Decider``."""
+
+    def __init__(self, decider: Decider, options: Speculative) -> None:
+        self.decider = decider
+        self.options = options
+        self.members = decider.members
+        self.check = sorted(set(decider.computed()) | {decider.primary})  # every member a decision may read
+
+    def eligible(self, s: Sequence) -> bool:
+        """Greedy, untraced, no PackLLM weights, every member that decides in this process."""
+        return (s.sampling.greedy and s.trace is None and self.decider.prompt_tau is None
+                and all(self.members[i].in_process for i in self.check))
+
+    def round(self, s: Sequence) -> list[StepEvent]:
+        """One round for ``s`` (see the module docstring): the pieces it emits, in order."""
+        d = self.options.draft
+        room = s.max_new_tokens - s.steps - 1  # the last piece before the limit is never drafted
+        saved = _save(s)
+        drafts, before, own = self._draft(s, min(s.draft_k or self.options.k, room))
+        with self.decider.timer.stage("forward"):
+            others = [i for i in self.check if i != d]
+            rows = self.decider.pool.run(others, lambda i: positions(self.members[i], s.states[i], before[i]))
+        rows[d] = own
+        cached = {i: s.states[i].all_ids()[: s.states[i].n_valid] for i in self.check}
+        _restore(s, saved)
+        events, accepted = self._decide(s, drafts, rows)
+        for i, ids in cached.items():  # every cached position the sequence still holds stays usable
+            st = s.states[i]
+            st.n_valid = max(st.n_valid, min(common_prefix(ids, st.all_ids()), st.length))
+        s.drafted += len(drafts)
+        s.accepted += accepted
+        if self.options.adapt:
+            s.draft_k = max(1, min(self.options.k, accepted + 1))
+        return events
+
+    def _draft(self, s: Sequence, k: int) -> tuple[list[int], dict[int, list[list[int]]], list[torch.Tensor]]:
+        """The drafter's pieces (up to ``k``), every checked member's ids before each of them and
+        after the last (``before[i]``), and the drafter's own rows there."""
+        d = self.options.draft
+        space = self.decider.space
+        umap, rep = space.union.maps[d], space.union.representable
+        before: dict[int, list[list[int]]] = {i: [] for i in self.check}
+        drafts: list[int] = []
+        own: list[torch.Tensor] = []
+        while True:
+            for i in self.check:
+                before[i].append(s.states[i].all_ids())
+            with self.decider.timer.stage("forward"):  # the drafter alone, on all the cores
+                lp = self.decider.pool.run([d], lambda i: self.members[i].next_logprobs([s.states[i]]))[d]
+            own.append(lp[0])
+            if len(drafts) == k:
+                break
+            ids, _ = MemberOutput(logprobs=lp).top_text(umap)
+            u = int(umap[ids[0]])
+            if u < 0 or u == END or not rep[u] or not self._fits(s, len(space.piece(u))):
+                break
+            drafts.append(u)
+            with self.decider.timer.stage("resync"):
+                s.force(u)
+        return drafts, before, own
+
+    def _fits(self, s: Sequence, nbytes: int) -> bool:
+        """Every member's context keeps room for a drafted piece of ``nbytes`` bytes (generously: its
+        re-synced ids may be re-cut over a window); near a context's end nothing more is drafted."""
+        return all(m.context_length is None or st.length + 2 * (nbytes + s.window) < m.context_length - 1
+                   for m, st in zip(self.members, s.states))
+
+    def _decide(self, s: Sequence, drafts: list[int], rows: dict[int, list[torch.Tensor]]) -> tuple[list[StepEvent], int]:
+        """Decide and apply position by position while the choice is the drafted piece; the events
+        and how many drafted pieces were accepted."""
+        topk = self.decider.combiner.k if self.decider.combiner.needs == "topk" else 0
+        events: list[StepEvent] = []
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            outs = {}
+            for i in self.check:
+                lp = rows[i][j]
+                st = s.states[i]
+                st.logprobs, st.logprobs_len = lp, st.length  # what the decision reads (ties, groups)
+                outs[i] = (MemberOutput(topk=torch.topk(lp[None], min(topk, lp.shape[-1]), dim=-1)) if topk
+                           else MemberOutput(logprobs=lp[None]))
+            (decision,) = self.decider.decide_given([s], outs)
+            with self.decider.timer.stage("resync"):
+                events.append(s.apply(decision))
+            if j == len(drafts) or decision.entry != drafts[j]:
+                break
+            accepted += 1
+            if s.finished is not None:
+                break
+        for i in self.check:
+            s.states[i].logprobs = None  # rows of positions the sequence may no longer hold
+        return events, accepted
+
+
+def _save(s: Sequence) -> tuple:
+    return len(s.output), s.steps, [(list(st.ids), list(st.starts), st.covered, st.provisional, st.logprobs,
+                                     st.logprobs_len) for st in s.states]
+
+
+def _restore(s: Sequence, saved: tuple) -> None:
+    """Back to before the draft (output and every member's ids); a cache keeps what it holds of them."""
+    n, steps, states = saved
+    del s.output[n:]
+    s.steps = steps
+    for st, (ids, starts, covered, provisional, logprobs, logprobs_len) in zip(s.states, states):
+        cached = st.all_ids()[: st.n_valid]
+        st.ids, st.starts, st.covered, st.provisional = ids, starts, covered, provisional
+        st.logprobs, st.logprobs_len = logprobs, logprobs_len
+        st.n_valid = min(common_prefix(cached, st.all_ids()), st.length)
