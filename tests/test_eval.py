@@ -166,6 +166,7 @@ def test_markdown_table_shape():
     assert table[3] == "| single:b-model | 25.0 | 50.0 | 37.5 | +0.0 | 100 | 0 | 40.0 |"
     assert table[4] == "| gac | 75.0 | 25.0 | 50.0 | +12.5 | 200 | 50 | 24.0 |"
     assert table[5] == "| vote | 25.0 | 25.0 | 25.0 | -12.5 | — | — | — |"
+    assert table[7].startswith("`items/min`: a row's items over the time it computed itself. In the likelihood form")
     head = "| method | piqa | gsm8k | Avg. vs single:a-model | Avg. vs per-task best |"
     gain = table[table.index(head):]
     # per task against that task's best member (piqa: a, gsm8k: b); the average against a (the best

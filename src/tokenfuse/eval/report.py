@@ -170,6 +170,10 @@ def markdown_table(results: dict) -> str:
         ipm = "—" if o["items_per_min"] is None else f"{o['items_per_min']:.1f}"
         lines.append("| " + " | ".join([m] + cells + [_pct(o["avg"]), _signed(o["gain_over_best"]), ms,
                                                         _pct(o["ensembled_share"], 0), ipm]) + " |")
+    if any(results["forms"][t] == "likelihood" for t in tasks):
+        lines += ["", "`items/min`: a row's items over the time it computed itself. In the likelihood form the rows "
+                      "share the members' forwards within a batch (docs/evaluation.md, `RowMemo`): a forward counts for the row "
+                      "that computed it, not for the rows that took its result, so a row's figure is not its cost alone."]
     ci = ["", "Bootstrap 95 % intervals (1,000 resamples, seed 0):", "",
           "| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
     for m in methods:
