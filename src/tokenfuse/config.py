@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
 from tokenfuse.combiners import combiner_class, validate_params
 from tokenfuse.engine import check_members
+from tokenfuse.engine.speculative import check_draft
 from tokenfuse.errors import ConfigError
 
 # The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
@@ -173,8 +174,10 @@ class EnsembleConfig(_Strict):
         if spec is None or spec.draft is None:
             return
         names = [m.name for m in self.members]
-        if spec.draft not in names:
-            raise ValueError(f"speculative.draft: {spec.draft!r} is not a member (members: {', '.join(names)})")
+        try:
+            check_draft(names, spec.draft)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
         if self.placement == "ray" or self.members[names.index(spec.draft)].backend == "openai":
             raise ValueError(f"speculative.draft: {spec.draft!r} does not run in this process (placement: local, "
                              "backend llamacpp or transformers); speculative decoding drafts with a local member")

@@ -65,6 +65,12 @@ def default_drafter(members: list[Member]) -> int:
     return min(sized, key=lambda i: members[i].weight_bytes) if sized else local[0]
 
 
+def check_draft(names: list[str], draft: str | None) -> None:
+    """``speculative.draft`` names a member (or is ``None``); the config checks it through this too."""
+    if draft is not None and draft not in names:
+        raise ConfigError(f"speculative.draft: {draft!r} is not a member (members: {', '.join(names)})")
+
+
 def resolve(options: dict | None, members: list[Member]) -> Speculative | None:
     """``Speculative`` from the config's ``speculative`` mapping (``draft``: a member name or
     ``None`` for ``default_drafter``; ``k``; ``adapt``), or ``None`` for plain decoding."""
@@ -72,12 +78,8 @@ def resolve(options: dict | None, members: list[Member]) -> Speculative | None:
         return None
     names = [m.name for m in members]
     draft = options.get("draft")
-    if draft is None:
-        i = default_drafter(members)
-    elif draft in names:
-        i = names.index(draft)
-    else:
-        raise ConfigError(f"speculative.draft: {draft!r} is not a member (members: {', '.join(names)})")
+    check_draft(names, draft)
+    i = default_drafter(members) if draft is None else names.index(draft)
     if not members[i].in_process:
         raise ConfigError(f"speculative.draft: {draft!r} does not run in this process; choose a local member")
     k = int(options.get("k", 4))
@@ -110,12 +112,11 @@ class Speculator:
             others = [i for i in self.check if i != d]
             rows = self.decider.pool.run(others, lambda i: positions(self.members[i], s.states[i], before[i]))
         rows[d] = own
-        cached = {i: s.states[i].all_ids()[: s.states[i].n_valid] for i in self.check}
+        cached = [st.all_ids()[: st.n_valid] for st in s.states]  # what each cache holds now
         _restore(s, saved)
-        events, accepted = self._decide(s, drafts, rows)
-        for i, ids in cached.items():  # every cached position the sequence still holds stays usable
-            st = s.states[i]
-            st.n_valid = max(st.n_valid, min(common_prefix(ids, st.all_ids()), st.length))
+        events, accepted = self._decide(s, drafts, rows)  # no forward: the caches are untouched
+        for st, ids in zip(s.states, cached):  # a cache keeps every position the sequence still holds
+            st.n_valid = common_prefix(ids, st.all_ids())
         s.drafted += len(drafts)
         s.accepted += accepted
         if self.options.adapt:
@@ -187,12 +188,10 @@ def _save(s: Sequence) -> tuple:
 
 
 def _restore(s: Sequence, saved: tuple) -> None:
-    """Back to before the draft (output and every member's ids); a cache keeps what it holds of them."""
+    """Back to before the draft: output and every member's ids (``round`` sets ``n_valid`` afterwards)."""
     n, steps, states = saved
     del s.output[n:]
     s.steps = steps
     for st, (ids, starts, covered, provisional, logprobs, logprobs_len) in zip(s.states, states):
-        cached = st.all_ids()[: st.n_valid]
         st.ids, st.starts, st.covered, st.provisional = ids, starts, covered, provisional
         st.logprobs, st.logprobs_len = logprobs, logprobs_len
-        st.n_valid = min(common_prefix(cached, st.all_ids()), st.length)
