@@ -8,11 +8,20 @@ then decodes their next token in calls of different composition, and prints the 
 context; in a 4-row batch and alone; a 4-row batch and the same rows reversed; an 8-row batch and
 a 4-row one; an 8-row batch and the same reversed; an 8-row call shared with 7 rows of another
 sequence's feed and the 8-row batch. 0 everywhere means batching cannot change an output.
+Then, per-sequence KV cache: the largest |Δ logit| of a row decoded in a batch of n sequences
+against the same row decoded alone, for n = 1..9, and of each position of one sequence fed in calls
+of c ids against one id per call, for c = 2..9.
 
-Usage: .venv/bin/python scripts/measure_batch_invariance.py
+``--exact`` loads the members as ``exact_calls: true`` does (flash attention on, weights not
+repacked): measured on the bundled files, batches and calls of at most 7 ids then give every row
+the one-id numbers (0 up to 7, non-zero from 8 for Gemma-3 and Qwen).
+
+Usage: .venv/bin/python scripts/measure_batch_invariance.py [--exact]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 
@@ -24,7 +33,7 @@ PROMPTS = ["Question: What is the capital of France?\nAnswer: The capital",
            "def fibonacci(n):\n    if n < 2:\n        return",
            "The quick brown fox jumps over the lazy dog and then",
            "Once upon a time there was a little girl who lived in a"]
-NS = 8
+NS = 16  # sequence ids of the multi-sequence context
 
 
 class Probe:
@@ -68,9 +77,38 @@ def diff(a: dict, b: dict) -> float:
     return max(float(np.abs(a[s] - b[s]).max()) for s in a if s in b)
 
 
+def sweep(p: Probe) -> tuple[str, str]:
+    """Batches of n sequences and calls of c ids of one sequence against one row / one id per call."""
+    ctx = p.context(NS, False)
+    alone = {s: p.run(ctx, [s], [p.last(s)])[s] for s in range(4)}
+    batches = []
+    for n in range(1, 10):
+        r = p.run(ctx, range(n), [p.last(s) for s in range(n)])
+        batches.append(f"{n}:{diff({s: r[s] for s in range(min(n, 4))}, alone):.3g}")
+    ids = p.ids[1] + p.ids[2] + p.ids[3]
+    ctx1 = p.context(1, False)
+
+    def fed_in(c: int) -> list[np.ndarray]:
+        ctx1.kv_cache_seq_rm(0, 0, -1)
+        p.decode(ctx1, [(t, i, 0, False) for i, t in enumerate(ids[:8])])
+        rows = []
+        for j in range(8, len(ids), c):
+            part = [(ids[k], k, 0, True) for k in range(j, min(j + c, len(ids)))]
+            p.decode(ctx1, part)
+            rows += [np.ctypeslib.as_array(ctx1.get_logits_ith(i), shape=(p.m.n_vocab,)).copy() for i in range(len(part))]
+        return rows
+
+    one = fed_in(1)
+    calls = [f"{c}:{max(float(np.abs(a - b).max()) for a, b in zip(one, fed_in(c))):.3g}" for c in range(2, 10)]
+    return " ".join(batches), " ".join(calls)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--exact", action="store_true", help="load as exact_calls: true does")
+    exact = ap.parse_args().exact
     for name in DEFAULT_ENSEMBLE:
-        m = load_member(MemberConfig(name=name, prefix_cache=False, n_threads=1), progress=False)
+        m = load_member(MemberConfig(name=name, prefix_cache=False, n_threads=1, exact_calls=exact), progress=False)
         p = Probe(m)
         own = p.run(p.context(1, False), [0], [p.last(0)])
         extra = m.codec.encode_text(" and the rest of the story goes like this")[:6]
@@ -87,6 +125,9 @@ def main() -> None:
                   f"4-row vs alone {diff(four, alone):.3g}  4-row reversed {diff(four, four_rev):.3g}  "
                   f"8-row vs 4-row {diff(eight, four):.3g}  8-row reversed {diff(eight, eight_rev):.3g}  "
                   f"8-row with another's feed {diff(shared, eight):.3g}", flush=True)
+        batches, calls = sweep(p)
+        print(f"{name:30s} batch of n vs alone  {batches}", flush=True)
+        print(f"{name:30s} calls of c vs one id {calls}", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ class MemberConfig(_Strict):
     n_threads: int | None = Field(None, ge=1)  # llamacpp: fixed threads (default: the cores shared out per call)
     multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
     prefix_cache: bool = True  # llamacpp: a new sequence reuses the cached keys/values of a shared prefix
+    exact_calls: bool = False  # llamacpp: numbers independent of how ids are cut into calls (see README)
     score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member
     # backend openai: a model behind an OpenAI-compatible server (docs/serving.md)
     base_url: str | None = None  # e.g. http://127.0.0.1:8080/v1
@@ -78,6 +79,9 @@ class MemberConfig(_Strict):
                     raise ValueError(f"{f}: only for `backend: openai` (this member's backend is {self.backend})")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: expected an http:// or https:// URL, got {self.base_url!r}")
+        if self.exact_calls and self.multi_seq:
+            raise ValueError("exact_calls: cannot be combined with multi_seq (a shared context's batches); "
+                             "set multi_seq: 0 or exact_calls: false")
         return self
 
     @property

@@ -21,13 +21,22 @@ numbers (``BLOCK``), so a sequence's numbers do not depend on what ran before it
 How a sequence is cut into decode calls changes llama.cpp's numbers on this CPU build: a
 one-token call takes other attention kernels than a longer one, the weight matrices of some
 quantisation types (Q4_K/Q6_K/Q5_0, as in the bundled Gemma-3 and Qwen files) are multiplied by
-other kernels in calls of fewer than 8 tokens, and flash attention (off here) takes another path
+other kernels in calls of fewer than 8 tokens, and flash attention (off by default) takes another path
 for long calls. Calls of 8 or more tokens that start at a multiple of 8 give a fresh prefill's
 numbers (``scripts/measure_split.py``; docs/evaluation.md, "One-forward scoring").
+
+``exact_calls`` (off by default) makes every row of every call the number feeding one id at a time
+gives: weights are used as stored (no repacking) and flash attention is on, which makes calls of at
+most ``SMALL`` ids compute each row as a one-id call does, for one sequence or several
+(``scripts/measure_batch_invariance.py``); the prompt's whole ``LARGE``-blocks are fed in calls of
+whole blocks (one fresh prefill's numbers, whatever the cut) and every other id in calls of at most
+``SMALL``. A sequence's numbers then do not depend on how its ids were cut into calls: one-forward
+scoring equals the stepwise path and speculative decoding equals plain decoding bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -59,6 +68,11 @@ BLOCK = 8
 # A live sequence's cache is copied for a new one when that saves at least this many ids over the
 # best pooled context: one block (copying a short cache takes a few ms, feeding a block tens of ms).
 COPY_MIN = BLOCK
+# exact_calls (flash attention on, weights not repacked; measured on the bundled files, checked by
+# tests/test_llamacpp.py): a call of at most SMALL ids computes every row as a one-id call does; calls
+# of whole LARGE-blocks starting at a multiple of LARGE compute every row as one long call does.
+SMALL = 7
+LARGE = 64
 
 
 def import_llama_cpp():
@@ -131,6 +145,47 @@ def _reusable(common: int, exact: int, total: int, limit: int) -> int:
     return max(0, n - n % BLOCK)
 
 
+def _reusable_exact(common: int, exact: int, head: int, limit: int) -> int:
+    """``_reusable`` under ``exact_calls``, for a sequence whose prompt's whole ``LARGE``-blocks end at
+    ``head``: the cache's rows ``[0, exact)`` came from block calls, the rest from short calls, and a
+    reused row must have been computed as this sequence computes it (rows below ``head`` in block
+    calls, the others in short calls); a feed inside the blocks starts at a block boundary."""
+    n = min(common, limit)
+    if exact != head:
+        n = min(n, exact, head)
+    if n < head:
+        n -= n % LARGE
+    return max(0, n)
+
+
+def _head(st: SeqState) -> int:
+    """Where the whole ``LARGE``-blocks of ``st``'s prompt end (``exact_calls``)."""
+    return len(st.prompt_ids) - len(st.prompt_ids) % LARGE
+
+
+@contextlib.contextmanager
+def _weights_as_stored(llama_cpp: Any, on: bool):
+    """While ``on``, llama.cpp loads a model without repacking its weights for its faster kernels
+    (``use_extra_bufts``; ``Llama`` has no parameter for it, so the default parameters it starts from
+    are changed; callers hold ``_LOAD_LOCK``)."""
+    if not on:
+        yield
+        return
+    lib = llama_cpp.llama_cpp
+    default = lib.llama_model_default_params
+
+    def stored():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = stored
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
     if n <= 0:
@@ -147,7 +202,7 @@ class LlamaCppMember(LocalMember):
 
     def __init__(self, name: str, gguf_path: str | os.PathLike, tokenizer: Any, *, weight: float = 1.0,
                  n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512, multi_seq: int = 0,
-                 prefix_cache: bool = True, content_hash: str | None = None,
+                 prefix_cache: bool = True, exact_calls: bool = False, content_hash: str | None = None,
                  align_cache: Path | None = None) -> None:
         llama_cpp = import_llama_cpp()
         from llama_cpp import Llama
@@ -158,11 +213,14 @@ class LlamaCppMember(LocalMember):
         self.path = str(gguf_path)
         self.weight_bytes = os.path.getsize(self.path)
         self.n_batch = n_batch
+        self.exact_calls = exact_calls
+        if exact_calls and (multi_seq or n_batch < LARGE):
+            raise ModelLoadError(f"member {name!r}: exact_calls needs multi_seq: 0 and n_batch >= {LARGE}")
         try:
-            with _LOAD_LOCK:
+            with _LOAD_LOCK, _weights_as_stored(llama_cpp, exact_calls):
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                  n_threads=n_threads or cpu_cores(), logits_all=False,
-                                 swa_full=True, verbose=False)
+                                 swa_full=True, flash_attn=exact_calls, verbose=False)
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
@@ -184,7 +242,7 @@ class LlamaCppMember(LocalMember):
         m = cls.__new__(cls)
         m.name, m.tokenizer, m.weight, m.path, m.n_batch = name, other.tokenizer, float(weight), other.path, other.n_batch
         m.llm, m._lib, m.codec, m.fixed_threads = other.llm, other._lib, other.codec, other.fixed_threads
-        m.weight_bytes = other.weight_bytes
+        m.weight_bytes, m.exact_calls = other.weight_bytes, other.exact_calls
         m._init_state(prefix_cache=other.prefix_cache, multi_seq=other.multi_seq, n_ctx=other.context_length)
         return m
 
@@ -297,11 +355,16 @@ class LlamaCppMember(LocalMember):
         self.prefix_stats["sequences"] += 1
         slot, reuse = None, 0  # the forward crops the cache to ``reuse`` ids and feeds the rest
         if self.prefix_cache:
-            pooled = [_reusable(_common_prefix(sl.ids, ids, limit), sl.exact, len(ids), limit) for sl in self._free]
+            def reusable(cached: list[int], exact: int) -> int:
+                common = _common_prefix(cached, ids, limit)
+                if self.exact_calls:
+                    return _reusable_exact(common, exact, _head(st), limit)
+                return _reusable(common, exact, len(ids), limit)
+
+            pooled = [reusable(sl.ids, sl.exact) for sl in self._free]
             best = int(np.argmax(pooled)) if pooled else -1
             reuse = pooled[best] if pooled else 0
-            live = [(_reusable(_common_prefix(sl.cached_ids(), ids, limit), sl.exact, len(ids), limit), sl)
-                    for sl in self._busy]
+            live = [(reusable(sl.cached_ids(), sl.exact), sl) for sl in self._busy]
             donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
             if donor is not None and donor_n >= reuse + COPY_MIN:
                 slot = self._least_recent()  # gets a copy of the live context's cache
@@ -348,6 +411,9 @@ class LlamaCppMember(LocalMember):
         slot: _Slot = st.cache
         if slot is None:
             slot = st.cache = self._acquire(st, ends[0] - 1)
+        head = _head(st) if self.exact_calls else 0
+        if st.n_valid < head:  # a feed inside the prompt's blocks starts at a block boundary
+            st.n_valid -= st.n_valid % LARGE
         if slot.n > st.n_valid:
             if not slot.ctx.kv_cache_seq_rm(0, st.n_valid, -1):  # cannot cut here: start over
                 slot.ctx.kv_cache_seq_rm(0, 0, -1)
@@ -359,8 +425,9 @@ class LlamaCppMember(LocalMember):
         self.prefix_stats["fed"] += len(ids) - slot.n
         want = {n - 1 for n in ends}  # positions whose next-token logits are asked for
         rows: dict[int, torch.Tensor] = {}
-        while slot.n < len(ids):  # batches end at multiples of n_batch, wherever the feed started
-            start, stop = slot.n, min(len(ids), (slot.n // self.n_batch + 1) * self.n_batch)
+        while slot.n < len(ids):
+            start = slot.n
+            stop, long = self._call_end(start, len(ids), head)
             b = slot.batch.batch
             for j, tok in enumerate(ids[start:stop]):
                 _put(b, j, tok, start + j, 0)
@@ -368,11 +435,23 @@ class LlamaCppMember(LocalMember):
             b.n_tokens = stop - start
             slot.ctx.decode(slot.batch)
             rows.update((p, self._logprobs(slot.ctx, p - start)) for p in range(start, stop) if p in want)
-            if start == slot.exact and start % BLOCK == 0 and stop - start >= BLOCK:
+            if long and start == slot.exact:
                 slot.exact = stop
             slot.n = stop
         st.n_valid = slot.n  # already now, so a sequence acquired later in this batch can copy it
         return [rows[n - 1] for n in ends]
+
+    def _call_end(self, start: int, total: int, head: int) -> tuple[int, bool]:
+        """Where the decode call feeding ids from ``start`` (of ``total``) ends, and whether its rows
+        are a fresh prefill's (they extend ``_Slot.exact``). Default: calls end at multiples of
+        ``n_batch``, wherever the feed started (``BLOCK``). ``exact_calls``: the prompt's blocks below
+        ``head`` in calls of whole ``LARGE``-blocks, every other id in calls of at most ``SMALL``."""
+        if not self.exact_calls:
+            stop = min(total, (start // self.n_batch + 1) * self.n_batch)
+            return stop, start % BLOCK == 0 and stop - start >= BLOCK
+        if start < head:
+            return min(head, start + self.n_batch - self.n_batch % LARGE), True
+        return min(total, start + SMALL), False
 
     def _logprobs(self, ctx: Any, i: int) -> torch.Tensor:
         """Log-softmax of the logits llama.cpp kept for batch position ``i``."""
@@ -399,7 +478,7 @@ class LlamaCppMember(LocalMember):
 
 def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
                          weight: float = 1.0, n_ctx: int = 4096, n_threads: int | None = None, multi_seq: int = 0,
-                         prefix_cache: bool = True, align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
+                         prefix_cache: bool = True, exact_calls: bool = False, align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
     """Load a GGUF with llama.cpp; its tokenizer comes from ``tokenizer_dir`` (tokenizer.json) or,
     when not given, is built once from the GGUF by transformers and cached in ``tokenizer_cache``."""
     import hashlib
@@ -422,6 +501,7 @@ def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_d
     tj = Path(tokenizer_dir) / "tokenizer.json"
     content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if tj.is_file() else None
     member = LlamaCppMember(name, path, tokenizer, weight=weight, n_ctx=n_ctx, n_threads=n_threads,
-                            multi_seq=multi_seq, prefix_cache=prefix_cache, content_hash=content_hash, align_cache=align_cache)
+                            multi_seq=multi_seq, prefix_cache=prefix_cache, exact_calls=exact_calls,
+                            content_hash=content_hash, align_cache=align_cache)
     member.load_seconds = time.perf_counter() - t0
     return member

@@ -112,7 +112,7 @@ def _load(cfg: MemberConfig, *, root: Path, progress: bool, index: int) -> Membe
             tok_dir = None
         return load_llamacpp_member(cfg.name, gguf, tokenizer_dir=tok_dir, weight=cfg.weight, n_ctx=cfg.n_ctx,
                                     n_threads=cfg.n_threads, multi_seq=cfg.multi_seq, prefix_cache=cfg.prefix_cache,
-                                    align_cache=root / "alignment",
+                                    exact_calls=cfg.exact_calls, align_cache=root / "alignment",
                                     tokenizer_cache=root / "tokenizers")
 
     from tokenfuse.members.transformers import load_transformers_member

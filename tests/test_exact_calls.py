@@ -1,0 +1,146 @@
+"""llama.cpp members with ``exact_calls``: a sequence's numbers do not depend on how its ids are cut
+into decode calls, so the fast paths (one-forward scoring, speculative decoding, the prefix cache)
+give the plain path's numbers bit for bit on the three real bundled GGUF files."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenfuse import Ensemble
+from tokenfuse.members.llamacpp import LARGE, SMALL
+
+pytestmark = pytest.mark.real
+
+FAMILIES = ["smollm2", "gemma3", "qwen"]
+TEXT = (" The whale is the mammal; it breathes air and feeds its young with milk. Sharks and tuna are"
+        " fish, and the trout lives in rivers and lakes.")
+PROMPTS = ["Question: What is the capital of France?\nAnswer:", "def fibonacci(n):", "The quick brown fox",
+           "Q: Name three colours of the rainbow.\nA:"]
+
+
+@pytest.fixture(scope="module")
+def exact_members():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh installs it)")
+    from conftest import SHORT
+    from tokenfuse.config import MemberConfig
+    from tokenfuse.load import load_member
+
+    return {short: load_member(MemberConfig(name=short, source=full, backend="llamacpp", exact_calls=True),
+                               progress=False) for short, full in SHORT.items()}
+
+
+def _fresh(m, prompt_ids, ids=()):
+    """Next-token log-probabilities after ``prompt_ids`` then ``ids`` fed one id per call, no prefix cache."""
+    saved, m.prefix_cache = m.prefix_cache, False
+    st = m.new_state(prompt_ids)
+    try:
+        rows = [m.next_logprobs([st])[0]]
+        for tid in ids:
+            st.ids.append(tid)
+            rows.append(m.next_logprobs([st])[0])
+        return rows
+    finally:
+        m.release(st)
+        m.prefix_cache = saved
+
+
+def _same(a, b) -> bool:
+    return bool((a == b).all())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_ids_in_one_call_give_one_id_calls_numbers(exact_members, family):
+    """``logprobs_at`` feeds 30 output ids in calls of at most SMALL: every row equals feeding them one
+    id per call, bit for bit."""
+    m = exact_members[family]
+    prompt, ids = m.encode_prompt(PROMPTS[0]), m.codec.encode_text(TEXT)[:30]
+    one_by_one = _fresh(m, prompt, ids)
+    st = m.new_state(prompt)
+    m.next_logprobs([st])
+    st.ids = list(ids)
+    rows = m.logprobs_at(st, list(range(len(prompt) + 1, len(prompt) + len(ids) + 1)))
+    m.release(st)
+    assert len(ids) > 3 * SMALL
+    assert all(_same(a, b) for a, b in zip(rows, one_by_one[1:]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_cache_reuse_gives_a_fresh_prefill_numbers(exact_members, family):
+    """Prompts longer than a block: a new prompt sharing part of a released one, and a prompt that is a
+    released sequence's prompt plus its generated ids, reuse the cache and get a fresh prefill's numbers."""
+    m = exact_members[family]
+    long = m.encode_prompt(PROMPTS[0] + TEXT * 5)
+    gen = m.codec.encode_text(" It is Paris, the largest city")
+    full = long + gen
+    other = long[: LARGE + 10] + m.codec.encode_text(" Unrelated words follow here instead, many of them" * 3)
+    cases = (full, full[:-3], other, long[:LARGE + 3])
+    assert len(long) > 2 * LARGE and len(long) % LARGE and len(full) // LARGE == len(long) // LARGE
+    fresh = [_fresh(m, ids)[0] for ids in cases]  # first: a fresh prefill takes a pooled context and clears it
+    after_gen = _fresh(m, long, gen)[-1]
+    st = m.new_state(long)
+    m.next_logprobs([st])
+    for tid in gen:  # as generation: one id per call
+        st.ids.append(tid)
+        m.next_logprobs([st])
+    m.release(st)
+    st = m.new_state(long)  # the same sequence again: everything but the last id is reused
+    st.ids = list(gen)
+    fed = m.prefix_stats["fed"]
+    got = m.next_logprobs([st])[0]
+    m.release(st)
+    assert m.prefix_stats["fed"] - fed == 1
+    assert _same(got, after_gen)
+    reused = []
+    for ids, want in zip(cases, fresh):
+        fed = m.prefix_stats["fed"]
+        st = m.new_state(ids)
+        got = m.next_logprobs([st])[0]
+        m.release(st)
+        reused.append(len(ids) - (m.prefix_stats["fed"] - fed))
+        assert _same(got, want)
+    # all of the shared ids where the prompts' blocks end alike (rows past the blocks came from short calls
+    # in both: generated ids, the tail of ``other``'s prompt), else up to a block boundary
+    assert reused == [len(full) - 1, len(full) - 4, LARGE, LARGE + 2]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_thread_count_does_not_change_the_numbers(exact_members, family):
+    m = exact_members[family]
+    prompt, ids = m.encode_prompt(PROMPTS[1] + TEXT), m.codec.encode_text(TEXT)[:10]
+    got = []
+    for n in (1, 2):
+        m.share_cores(n)
+        got.append(_fresh(m, prompt, ids))
+    m.share_cores(2)
+    assert all(_same(a, b) for a, b in zip(*got))
+
+
+@pytest.mark.parametrize("method", ["gac", "unite", "gated"])
+def test_one_forward_scoring_equals_the_stepwise_path_bit_for_bit(exact_members, method):
+    ms = [exact_members[f] for f in FAMILIES]
+    kw = {"gate": ms[0].name, "threshold": 0.5} if method == "gated" else {"method": method}
+    ens = Ensemble(ms, **kw)
+    context = "Question: Which of these animals is a mammal that lives in the sea?\nAnswer:"
+    requests = [(context, c) for c in (" the whale", " a shark, which breathes through its gills", " tuna")]
+    requests.append(("The quick brown fox jumps over the lazy dog." * 8, " And then it ran away into the forest."))
+    one, step = ens.loglikelihood(requests), ens.loglikelihood(requests, stepwise=True)
+    assert [r.logprob for r in one] == [r.logprob for r in step]
+    assert [r.piece_logprobs for r in one] == [r.piece_logprobs for r in step]
+
+
+@pytest.mark.parametrize(("method", "k"), [("gac", 2), ("gac", 6), ("unite", 4)])
+def test_speculative_decoding_equals_plain_decoding_bit_for_bit(exact_members, method, k):
+    ms = [exact_members[f] for f in FAMILIES]
+    plain = Ensemble(ms, method=method)
+    spec = Ensemble(ms, method=method, speculative={"k": k})
+    for prompt in PROMPTS:
+        a, b = plain.generate(prompt, max_new_tokens=24), spec.generate(prompt, max_new_tokens=24)
+        assert (b.output, b.member_ids, b.steps, b.finish_reason) == (a.output, a.member_ids, a.steps, a.finish_reason)
+        assert 0 < b.accepted <= b.drafted
+
+
+def test_concurrent_batch_equals_one_by_one(exact_members):
+    ms = [exact_members[f] for f in FAMILIES]
+    ens = Ensemble(ms)
+    batch = ens.generate(PROMPTS, max_new_tokens=16)
+    assert [g.output for g in batch] == [ens.generate(p, max_new_tokens=16).output for p in PROMPTS]
