@@ -144,3 +144,43 @@ def test_concurrent_batch_equals_one_by_one(exact_members):
     ens = Ensemble(ms)
     batch = ens.generate(PROMPTS, max_new_tokens=16)
     assert [g.output for g in batch] == [ens.generate(p, max_new_tokens=16).output for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def stream_members(exact_members):
+    """The same models with ``multi_seq``: one context, a KV stream per sequence, batched calls."""
+    from tokenfuse.members.llamacpp import LlamaCppMember
+
+    return {f: LlamaCppMember(m.name, m.path, m.tokenizer, multi_seq=4, exact_calls=True)
+            for f, m in exact_members.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streams_batched_give_one_by_one_numbers(exact_members, stream_members, family):
+    """Four sequences (one with a prompt over two blocks) fed together, then 1, 3, 9 and 2 more ids
+    each in shared calls: every row equals the sequence's own one-id calls in its own context."""
+    m, alone = stream_members[family], exact_members[family]
+    prompts = [alone.encode_prompt(p) for p in PROMPTS[:3]] + [alone.encode_prompt(PROMPTS[3] + TEXT * 5)]
+    assert len(prompts[3]) > 2 * LARGE
+    more = [alone.codec.encode_text(TEXT)[:n] for n in (1, 3, 9, 2)]
+    states = [m.new_state(p) for p in prompts]
+    first = m.next_logprobs(states)
+    for st, ids in zip(states, more):
+        st.ids = list(ids)
+    second = m.next_logprobs(states)
+    for st in states:
+        m.release(st)
+    assert sorted(m._free_seq_ids) == [0, 1, 2, 3]
+    for p, ids, a, b in zip(prompts, more, first, second):
+        ref = _fresh(alone, p, ids)
+        assert _same(a, ref[0]) and _same(b, ref[-1])
+
+
+def test_streams_ensemble_batch_equals_one_by_one(exact_members, stream_members):
+    ms = [stream_members[f] for f in FAMILIES]
+    plain = Ensemble([exact_members[f] for f in FAMILIES])
+    prompts = PROMPTS + [PROMPTS[0] + TEXT * 3]
+    batch = Ensemble(ms).generate(prompts[:4], max_new_tokens=16)
+    for p, g in zip(prompts, batch):
+        ref = plain.generate(p, max_new_tokens=16)
+        assert (g.output, g.steps) == (ref.output, ref.steps)

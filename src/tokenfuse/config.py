@@ -79,9 +79,6 @@ class MemberConfig(_Strict):
                     raise ValueError(f"{f}: only for `backend: openai` (this member's backend is {self.backend})")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: expected an http:// or https:// URL, got {self.base_url!r}")
-        if self.exact_calls and self.multi_seq:
-            raise ValueError("exact_calls: cannot be combined with multi_seq (a shared context's batches); "
-                             "set multi_seq: 0 or exact_calls: false")
         return self
 
     @property

@@ -214,8 +214,8 @@ class LlamaCppMember(LocalMember):
         self.weight_bytes = os.path.getsize(self.path)
         self.n_batch = n_batch
         self.exact_calls = exact_calls
-        if exact_calls and (multi_seq or n_batch < LARGE):
-            raise ModelLoadError(f"member {name!r}: exact_calls needs multi_seq: 0 and n_batch >= {LARGE}")
+        if exact_calls and n_batch < LARGE:
+            raise ModelLoadError(f"member {name!r}: exact_calls needs n_batch >= {LARGE}")
         try:
             with _LOAD_LOCK, _weights_as_stored(llama_cpp, exact_calls):
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
@@ -301,28 +301,10 @@ class LlamaCppMember(LocalMember):
 
     def _forward_multi(self, states: list[SeqState]) -> list[torch.Tensor]:
         """One llama.cpp batch for the new tokens of every sequence (one context, one seq id each)."""
-        if self._multi is None:
-            from llama_cpp._internals import LlamaBatch, LlamaContext
-
-            params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
-            params.n_seq_max, params.kv_unified = self.multi_seq, True
-            params.n_ctx = self.context_length * self.multi_seq
-            with _LOAD_LOCK:
-                ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
-            self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
-        ctx, batch = self._multi.ctx, self._multi.batch
-        self._threads_on(self._multi)
-        work = []
-        for st in states:
-            if st.cache is None:
-                if not self._free_seq_ids:
-                    raise ModelLoadError(f"member {self.name!r}: more than multi_seq={self.multi_seq} live sequences")
-                st.cache, st.n_valid = [self._free_seq_ids.pop(), 0], 0
-            seq, cached = st.cache
-            if cached > st.n_valid:
-                ctx.kv_cache_seq_rm(seq, st.n_valid, -1)
-            st.cache[1] = st.n_valid
-            work.append((st, st.all_ids()[st.n_valid :]))
+        ctx, batch = self._multi_context()
+        work = [(st, st.all_ids()[self._seq_of(st, ctx) :]) for st in states]
+        if self.exact_calls:
+            return self._forward_streams(ctx, batch, work)
         out: dict[int, torch.Tensor] = {}
         queue = [(st, seq_ids) for st, seq_ids in work]
         while queue:  # fill batches of at most n_batch tokens; a long prefill spans several
@@ -346,6 +328,66 @@ class LlamaCppMember(LocalMember):
                     out[id(st)] = self._logprobs(ctx, last[id(st)])
             queue = rest
         return [out[id(st)] for st in states]
+
+    def _multi_context(self) -> tuple[Any, Any]:
+        """The shared context of ``multi_seq`` (created on first use): one KV cache for every sequence,
+        or with ``exact_calls`` one KV stream per sequence."""
+        if self._multi is None:
+            from llama_cpp._internals import LlamaBatch, LlamaContext
+
+            params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
+            params.n_seq_max, params.kv_unified = self.multi_seq, not self.exact_calls
+            params.n_ctx = self.context_length * self.multi_seq
+            with _LOAD_LOCK:
+                ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
+            self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
+        self._threads_on(self._multi)
+        return self._multi.ctx, self._multi.batch
+
+    def _seq_of(self, st: SeqState, ctx: Any) -> int:
+        """Give ``st`` a sequence id of the shared context (``st.cache = [seq, cached]``), crop what it
+        caches to ``n_valid``; returns how many of its ids are cached."""
+        if st.cache is None:
+            if not self._free_seq_ids:
+                raise ModelLoadError(f"member {self.name!r}: more than multi_seq={self.multi_seq} live sequences")
+            st.cache, st.n_valid = [self._free_seq_ids.pop(), 0], 0
+        if self.exact_calls and st.n_valid < _head(st):  # a feed inside the prompt's blocks starts at a block boundary
+            st.n_valid -= st.n_valid % LARGE
+        seq, cached = st.cache
+        if cached > st.n_valid:
+            ctx.kv_cache_seq_rm(seq, st.n_valid, -1)
+        st.cache[1] = st.n_valid
+        return st.n_valid
+
+    def _forward_streams(self, ctx: Any, batch: Any, work: list[tuple[SeqState, list[int]]]) -> list[torch.Tensor]:
+        """``multi_seq`` with ``exact_calls``: each sequence's prompt blocks in block calls of its own,
+        then every other id of every sequence in shared calls of at most ``SMALL`` ids — each row is
+        computed as a one-id call of that sequence alone computes it (``scripts/measure_batch_invariance.py
+        --exact``), so the batch gives the one-by-one numbers."""
+        b, out, queue = batch.batch, {}, []
+        for st, ids in work:
+            seq, start, head = st.cache[0], st.cache[1], _head(st)
+            while start < head:
+                stop = min(head, start + self.n_batch - self.n_batch % LARGE)
+                for j, tok in enumerate(ids[: stop - start]):
+                    _put(b, j, tok, start + j, seq)
+                b.n_tokens = stop - start
+                b.logits[stop - start - 1] = stop == st.length
+                ctx.decode(batch)
+                if stop == st.length:
+                    out[id(st)] = self._logprobs(ctx, stop - start - 1)
+                ids, start = ids[stop - start :], stop
+            queue += [(st, seq, start + j, tok) for j, tok in enumerate(ids)]
+            st.cache[1] = st.length
+        for i in range(0, len(queue), SMALL):
+            rows = queue[i : i + SMALL]
+            for j, (st, seq, pos, tok) in enumerate(rows):
+                _put(b, j, tok, pos, seq)
+                b.logits[j] = pos == st.length - 1
+            b.n_tokens = len(rows)
+            ctx.decode(batch)
+            out.update((id(st), self._logprobs(ctx, j)) for j, (st, _, pos, _) in enumerate(rows) if pos == st.length - 1)
+        return [out[id(st)] for st, _ in work]
 
     def _acquire(self, st: SeqState, limit: int) -> _Slot:
         """A context for a new sequence; with ``prefix_cache``, the one whose cache shares the longest
