@@ -5,6 +5,8 @@ give the plain path's numbers bit for bit on the three real bundled GGUF files."
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 
 from tokenfuse import Ensemble
 from tokenfuse.members.llamacpp import LARGE, SMALL
@@ -184,3 +186,26 @@ def test_streams_ensemble_batch_equals_one_by_one(exact_members, stream_members)
     for p, g in zip(prompts, batch):
         ref = plain.generate(p, max_new_tokens=16)
         assert (g.output, g.steps) == (ref.output, ref.steps)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=hst.lists(hst.sampled_from(["the", " whale", " 42", "é", " sea", ",", "\n", " fish", "ing", " Ω"]),
+                      min_size=1, max_size=12),
+       cuts=hst.lists(hst.integers(1, 12), min_size=1, max_size=6), n_out=hst.integers(1, 24))
+def test_any_cut_of_the_output_gives_one_id_calls_numbers(exact_members, words, cuts, n_out):
+    """Gemma-3 (the file whose numbers depend most on the cut): a random prompt, then random output ids
+    fed in runs of random length (each one ``logprobs_at`` over every position of the run)."""
+    m = exact_members["gemma3"]
+    prompt = m.encode_prompt("".join(words))
+    ids = m.codec.encode_text(TEXT * 2)[:n_out]
+    ref = _fresh(m, prompt, ids)
+    state = m.new_state(prompt)
+    rows = [m.next_logprobs([state])[0]]
+    done, k = 0, 0
+    while done < len(ids):
+        run = ids[done : done + cuts[k % len(cuts)]]
+        state.ids = ids[: done + len(run)]
+        rows += list(m.logprobs_at(state, [len(prompt) + done + j + 1 for j in range(len(run))]))
+        done, k = done + len(run), k + 1
+    m.release(state)
+    assert len(rows) == len(ref) and all(_same(a, b) for a, b in zip(rows, ref))
