@@ -358,7 +358,8 @@ def test_speculative_decoding_stays_in_sync_and_matches_plain_here(llamacpp_memb
     Its verification feeds drafted positions in chunks, whose numbers differ from one-position calls
     on llama.cpp (docs/evaluation.md, "One-forward scoring"), so plain and speculative greedy outputs
     can differ at a near-tie; on these prompts they were measured identical on this build (and one of
-    the six bench prompts at 32 pieces differed), which is pinned here."""
+    the six bench prompts at 32 pieces differed), which is pinned here. With ``exact_calls`` they are
+    equal on every prompt (tests/test_exact_calls.py)."""
     members = list(llamacpp_members.values())
     plain = Ensemble(members, method=method)
     spec = Ensemble(members, method=method, speculative={"k": 4})
