@@ -209,3 +209,28 @@ def test_any_cut_of_the_output_gives_one_id_calls_numbers(exact_members, words, 
         done, k = done + len(run), k + 1
     m.release(state)
     assert len(rows) == len(ref) and all(_same(a, b) for a, b in zip(rows, ref))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streams_logprobs_at_gives_one_id_calls_numbers(exact_members, stream_members, family):
+    """``logprobs_at`` on a stream member (one-forward scoring, speculative verification): 30 output ids
+    after a prompt over a block, every position kept = one id per call in a context of its own."""
+    m, alone = stream_members[family], exact_members[family]
+    prompt, ids = alone.encode_prompt(PROMPTS[0] + TEXT * 5), alone.codec.encode_text(TEXT)[:30]
+    state = m.new_state(prompt)
+    state.ids = list(ids)
+    rows = m.logprobs_at(state, list(range(len(prompt), len(prompt) + len(ids) + 1)))
+    m.release(state)
+    assert len(prompt) > LARGE
+    assert all(_same(a, b) for a, b in zip(rows, _fresh(alone, prompt, ids), strict=True))
+
+
+def test_streams_speculative_and_scoring_equal_the_plain_paths(exact_members, stream_members):
+    ms = [stream_members[f] for f in FAMILIES]
+    plain = Ensemble([exact_members[f] for f in FAMILIES])
+    spec = Ensemble(ms, speculative={"k": 4})
+    for prompt in PROMPTS[:2]:
+        a, b = plain.generate(prompt, max_new_tokens=16), spec.generate(prompt, max_new_tokens=16)
+        assert (b.output, b.steps) == (a.output, a.steps) and b.accepted > 0
+    requests = [("Question: Which of these animals is a mammal?\\nAnswer:", c) for c in (" the whale", " a trout")]
+    assert [r.logprob for r in Ensemble(ms).loglikelihood(requests)] == [r.logprob for r in plain.loglikelihood(requests, stepwise=True)]

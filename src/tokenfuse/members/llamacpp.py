@@ -304,7 +304,8 @@ class LlamaCppMember(LocalMember):
         ctx, batch = self._multi_context()
         work = [(st, st.all_ids()[self._seq_of(st, ctx) :]) for st in states]
         if self.exact_calls:
-            return self._forward_streams(ctx, batch, work)
+            rows = self._forward_streams(ctx, batch, work)
+            return [rows[id(st), st.length - 1] for st in states]
         out: dict[int, torch.Tensor] = {}
         queue = [(st, seq_ids) for st, seq_ids in work]
         while queue:  # fill batches of at most n_batch tokens; a long prefill spans several
@@ -359,11 +360,14 @@ class LlamaCppMember(LocalMember):
         st.cache[1] = st.n_valid
         return st.n_valid
 
-    def _forward_streams(self, ctx: Any, batch: Any, work: list[tuple[SeqState, list[int]]]) -> list[torch.Tensor]:
+    def _forward_streams(self, ctx: Any, batch: Any, work: list[tuple[SeqState, list[int]]],
+                         want: dict[int, set[int]] | None = None) -> dict[tuple[int, int], torch.Tensor]:
         """``multi_seq`` with ``exact_calls``: each sequence's prompt blocks in block calls of its own,
         then every other id of every sequence in shared calls of at most ``SMALL`` ids — each row is
         computed as a one-id call of that sequence alone computes it (``scripts/measure_batch_invariance.py
-        --exact``), so the batch gives the one-by-one numbers."""
+        --exact``), so the batch gives the one-by-one numbers. Returns the log-probabilities after the
+        positions in ``want[id(st)]`` (default: each sequence's last), keyed ``(id(st), position)``."""
+        want = want or {id(st): {st.length - 1} for st, _ in work}
         b, out, queue = batch.batch, {}, []
         for st, ids in work:
             seq, start, head = st.cache[0], st.cache[1], _head(st)
@@ -371,11 +375,10 @@ class LlamaCppMember(LocalMember):
                 stop = min(head, start + self.n_batch - self.n_batch % LARGE)
                 for j, tok in enumerate(ids[: stop - start]):
                     _put(b, j, tok, start + j, seq)
+                    b.logits[j] = start + j in want[id(st)]
                 b.n_tokens = stop - start
-                b.logits[stop - start - 1] = stop == st.length
                 ctx.decode(batch)
-                if stop == st.length:
-                    out[id(st)] = self._logprobs(ctx, stop - start - 1)
+                out.update(((id(st), p), self._logprobs(ctx, p - start)) for p in range(start, stop) if p in want[id(st)])
                 ids, start = ids[stop - start :], stop
             queue += [(st, seq, start + j, tok) for j, tok in enumerate(ids)]
             st.cache[1] = st.length
@@ -383,11 +386,12 @@ class LlamaCppMember(LocalMember):
             rows = queue[i : i + SMALL]
             for j, (st, seq, pos, tok) in enumerate(rows):
                 _put(b, j, tok, pos, seq)
-                b.logits[j] = pos == st.length - 1
+                b.logits[j] = pos in want[id(st)]
             b.n_tokens = len(rows)
             ctx.decode(batch)
-            out.update((id(st), self._logprobs(ctx, j)) for j, (st, _, pos, _) in enumerate(rows) if pos == st.length - 1)
-        return [out[id(st)] for st, _ in work]
+            out.update(((id(st), pos), self._logprobs(ctx, j)) for j, (st, _, pos, _) in enumerate(rows)
+                       if pos in want[id(st)])
+        return out
 
     def _acquire(self, st: SeqState, limit: int) -> _Slot:
         """A context for a new sequence; with ``prefix_cache``, the one whose cache shares the longest
@@ -445,7 +449,14 @@ class LlamaCppMember(LocalMember):
         return self._feed(st, [st.length])[0]
 
     def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
-        return super()._forward_at(st, ends) if self.multi_seq else self._feed(st, ends)
+        if not self.multi_seq:
+            return self._feed(st, ends)
+        if not self.exact_calls:
+            return super()._forward_at(st, ends)
+        ctx, batch = self._multi_context()  # the real prompt stays the prompt: the cut rules hold
+        rows = self._forward_streams(ctx, batch, [(st, st.all_ids()[self._seq_of(st, ctx) :])],
+                                     {id(st): {n - 1 for n in ends}})
+        return [rows[id(st), n - 1] for n in ends]
 
     def _feed(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
         """Crop the cache to ``n_valid`` and feed the rest in batches of ``n_batch`` ids, asking
