@@ -338,7 +338,8 @@ def test_disconnect_stops_the_sequence(ens, members):
     try:
         chunks, _ = _asgi_stream(app, {"prompt": PROMPTS[5], "max_tokens": 200, "stream": True}, disconnect_after=3)
         deadline = time.time() + 10
-        while (sched.active or not released) and time.time() < deadline:
+        # the scheduler thread releases the caches, then counts the sequence closed: wait for both
+        while (sched.active or not released or not sched.closed) and time.time() < deadline:
             time.sleep(0.01)
     finally:
         del members[0].release
@@ -374,7 +375,7 @@ def test_disconnect_non_streaming(ens):
 
     asyncio.run(run())
     deadline = time.time() + 10
-    while sched.active and time.time() < deadline:
+    while (sched.active or not sched.closed) and time.time() < deadline:  # counted closed after release
         time.sleep(0.01)
     assert sched.active == 0 and sched.closed == 1 and sched.steps < 2000  # cancelled, not finished
     sched.stop()
