@@ -163,6 +163,12 @@ def _head(st: SeqState) -> int:
     return len(st.prompt_ids) - len(st.prompt_ids) % LARGE
 
 
+def _start_at_a_block(st: SeqState) -> None:
+    """``exact_calls``: a feed inside the prompt's blocks starts at a block boundary (crop further)."""
+    if st.n_valid < _head(st):
+        st.n_valid -= st.n_valid % LARGE
+
+
 @contextlib.contextmanager
 def _weights_as_stored(llama_cpp: Any, on: bool):
     """While ``on``, llama.cpp loads a model without repacking its weights for its faster kernels
@@ -352,8 +358,8 @@ class LlamaCppMember(LocalMember):
             if not self._free_seq_ids:
                 raise ModelLoadError(f"member {self.name!r}: more than multi_seq={self.multi_seq} live sequences")
             st.cache, st.n_valid = [self._free_seq_ids.pop(), 0], 0
-        if self.exact_calls and st.n_valid < _head(st):  # a feed inside the prompt's blocks starts at a block boundary
-            st.n_valid -= st.n_valid % LARGE
+        if self.exact_calls:
+            _start_at_a_block(st)
         seq, cached = st.cache
         if cached > st.n_valid:
             ctx.kv_cache_seq_rm(seq, st.n_valid, -1)
@@ -372,7 +378,7 @@ class LlamaCppMember(LocalMember):
         for st, ids in work:
             seq, start, head = st.cache[0], st.cache[1], _head(st)
             while start < head:
-                stop = min(head, start + self.n_batch - self.n_batch % LARGE)
+                stop, _ = self._call_end(start, st.length, head)
                 for j, tok in enumerate(ids[: stop - start]):
                     _put(b, j, tok, start + j, seq)
                     b.logits[j] = start + j in want[id(st)]
@@ -465,8 +471,8 @@ class LlamaCppMember(LocalMember):
         if slot is None:
             slot = st.cache = self._acquire(st, ends[0] - 1)
         head = _head(st) if self.exact_calls else 0
-        if st.n_valid < head:  # a feed inside the prompt's blocks starts at a block boundary
-            st.n_valid -= st.n_valid % LARGE
+        if self.exact_calls:
+            _start_at_a_block(st)
         if slot.n > st.n_valid:
             if not slot.ctx.kv_cache_seq_rm(0, st.n_valid, -1):  # cannot cut here: start over
                 slot.ctx.kv_cache_seq_rm(0, 0, -1)
