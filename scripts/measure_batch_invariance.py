@@ -10,11 +10,15 @@ a 4-row one; an 8-row batch and the same reversed; an 8-row call shared with 7 r
 sequence's feed and the 8-row batch. 0 everywhere means batching cannot change an output.
 Then, per-sequence KV cache: the largest |Δ logit| of a row decoded in a batch of n sequences
 against the same row decoded alone, for n = 1..9, and of each position of one sequence fed in calls
-of c ids against one id per call, for c = 2..9.
+of c ids against one id per call, for c = 2..9. Last, one sequence past 512 cached positions, on
+one thread and on two: calls of c ids against one id per call, and one id per call on one thread
+against two (with an F16 KV cache llama.cpp's attention splits a one-id call's positions among the
+threads from 512 on; ``exact_calls`` keeps the cache in BF16, which never takes that path).
 
 ``--exact`` loads the members as ``exact_calls: true`` does (flash attention on, weights not
-repacked): measured on the bundled files, batches and calls of at most 7 ids then give every row
-the one-id numbers (0 up to 7, non-zero from 8 for Gemma-3 and Qwen).
+repacked, BF16 KV cache): measured on the bundled files, batches and calls of at most 7 ids then
+give every row the one-id numbers (0 up to 7, non-zero from 8 for Gemma-3 and Qwen), past 512
+positions and on either thread count too.
 
 Usage: .venv/bin/python scripts/measure_batch_invariance.py [--exact]
 """
@@ -44,11 +48,11 @@ class Probe:
         self.ids = [member.encode_prompt(p) for p in PROMPTS]
         self.batch = LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
 
-    def context(self, n_seq: int, unified: bool):
+    def context(self, n_seq: int, unified: bool, n_ctx: int = 512):
         from llama_cpp._internals import LlamaContext
 
         params = type(self.m.llm.context_params).from_buffer_copy(self.m.llm.context_params)
-        params.n_seq_max, params.kv_unified, params.n_ctx = n_seq, unified, 512 * n_seq
+        params.n_seq_max, params.kv_unified, params.n_ctx = n_seq, unified, n_ctx * n_seq
         return LlamaContext(model=self.m.llm._model, params=params, verbose=False)
 
     def decode(self, ctx, rows) -> None:
@@ -103,6 +107,35 @@ def sweep(p: Probe) -> tuple[str, str]:
     return " ".join(batches), " ".join(calls)
 
 
+def long_calls(p: Probe) -> str:
+    """One sequence past 512 cached positions: calls of c ids against one id per call on 1 and 2
+    threads, and one id per call on 1 thread against 2."""
+    import llama_cpp
+
+    ids = (p.ids[0] + p.ids[1] + p.ids[2] + p.ids[3]) * 40
+    head, tail = ids[:520], ids[520:534]
+    ctx = p.context(1, False, n_ctx=1024)
+
+    def fed_in(c: int, threads: int) -> list[np.ndarray]:
+        llama_cpp.llama_set_n_threads(ctx.ctx, threads, threads)
+        ctx.kv_cache_seq_rm(0, 0, -1)
+        for j in range(0, len(head), 256):
+            p.decode(ctx, [(t, j + i, 0, False) for i, t in enumerate(head[j:j + 256])])
+        rows = []
+        for j in range(0, len(tail), c):
+            part = [(tail[k], len(head) + k, 0, True) for k in range(j, min(j + c, len(tail)))]
+            p.decode(ctx, part)
+            rows += [np.ctypeslib.as_array(ctx.get_logits_ith(i), shape=(p.m.n_vocab,)).copy() for i in range(len(part))]
+        return rows
+
+    def d(a: list, b: list) -> str:
+        return f"{max(float(np.abs(x - y).max()) for x, y in zip(a, b)):.3g}"
+
+    one = {t: fed_in(1, t) for t in (1, 2)}
+    out = [f"{t} thread(s) " + " ".join(f"{c}:{d(one[t], fed_in(c, t))}" for c in (2, 4, 7)) for t in (1, 2)]
+    return "; ".join(out) + f"; one id per call, 1 vs 2 threads {d(one[1], one[2])}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--exact", action="store_true", help="load as exact_calls: true does")
@@ -128,6 +161,7 @@ def main() -> None:
         batches, calls = sweep(p)
         print(f"{name:30s} batch of n vs alone  {batches}", flush=True)
         print(f"{name:30s} calls of c vs one id {calls}", flush=True)
+        print(f"{name:30s} past 512 positions, calls of c vs one id: {long_calls(p)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,38 @@ def test_thread_count_does_not_change_the_numbers(exact_members, family):
     assert all(_same(a, b) for a, b in zip(*got))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_past_512_cached_positions_neither_cut_nor_threads_change_the_numbers(exact_members, stream_members,
+                                                                             family):
+    """A sequence past 512 cached positions (where llama.cpp's attention splits a one-id call's
+    positions among the threads if the KV cache is F16): output ids fed in calls of at most SMALL, one
+    id per call on one thread and on two, and fed in shared stream calls beside a short sequence,
+    give the same numbers bit for bit."""
+    m, streams = exact_members[family], stream_members[family]
+    prompt, ids = m.encode_prompt(PROMPTS[0] + TEXT * 20), m.codec.encode_text(TEXT)[:12]
+    assert len(prompt) > 512
+    per_thread = []
+    for n in (1, 2):
+        m.share_cores(n)
+        per_thread.append(_fresh(m, prompt, ids))
+    assert all(_same(a, b) for a, b in zip(*per_thread))
+    st = m.new_state(prompt)
+    m.next_logprobs([st])
+    st.ids = list(ids)
+    rows = m.logprobs_at(st, list(range(len(prompt) + 1, len(prompt) + len(ids) + 1)))
+    m.release(st)
+    assert all(_same(a, b) for a, b in zip(rows, per_thread[1][1:]))
+    short = m.encode_prompt(PROMPTS[1])
+    states = [streams.new_state(prompt), streams.new_state(short)]
+    streams.next_logprobs(states)
+    for st in states:
+        st.ids = list(ids[:3])
+    together = streams.next_logprobs(states)
+    for st in states:
+        streams.release(st)
+    assert _same(together[0], per_thread[1][3]) and _same(together[1], _fresh(m, short, ids[:3])[-1])
+
+
 @pytest.mark.parametrize("method", ["gac", "unite", "gated"])
 def test_one_forward_scoring_equals_the_stepwise_path_bit_for_bit(exact_members, method):
     ms = [exact_members[f] for f in FAMILIES]

@@ -30,8 +30,13 @@ gives: weights are used as stored (no repacking) and flash attention is on, whic
 most ``SMALL`` ids compute each row as a one-id call does, for one sequence or several
 (``scripts/measure_batch_invariance.py``); the prompt's whole ``LARGE``-blocks are fed in calls of
 whole blocks (one fresh prefill's numbers, whatever the cut) and every other id in calls of at most
-``SMALL``. A sequence's numbers then do not depend on how its ids were cut into calls: one-forward
-scoring equals the stepwise path and speculative decoding equals plain decoding bit for bit.
+``SMALL``. Its KV cache is kept in BF16 (``EXACT_KV_TYPE``): with F16 keys and values llama.cpp's
+flash attention splits the cached positions of a one-id call among the threads once there are 512
+of them, which sums them in another order than a call of 2+ ids or one thread does (the numbers of
+a long sequence would depend on the cut and on the thread count); with BF16 every call takes the
+per-row kernel. A sequence's numbers then do not depend on how its ids were cut into calls nor on
+the threads: one-forward scoring equals the stepwise path and speculative decoding equals plain
+decoding bit for bit.
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ COPY_MIN = BLOCK
 # of whole LARGE-blocks starting at a multiple of LARGE compute every row as one long call does.
 SMALL = 7
 LARGE = 64
+# exact_calls' KV cache type, GGML_TYPE_BF16 (llama-cpp-python names no constant for it): keeps a
+# one-id call from the thread-split attention path (F16/F32 keys and values, 512+ cached positions).
+EXACT_KV_TYPE = 30
 
 
 def import_llama_cpp():
@@ -226,7 +234,8 @@ class LlamaCppMember(LocalMember):
             with _LOAD_LOCK, _weights_as_stored(llama_cpp, exact_calls):
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                  n_threads=n_threads or cpu_cores(), logits_all=False,
-                                 swa_full=True, flash_attn=exact_calls, verbose=False)
+                                 swa_full=True, flash_attn=exact_calls, verbose=False,
+                                 **({"type_k": EXACT_KV_TYPE, "type_v": EXACT_KV_TYPE} if exact_calls else {}))
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
