@@ -123,6 +123,36 @@ def test_prefix_cache_copies_a_live_sequences_cache(llamacpp_members):
         assert bool((lp == _fresh(m, SHOTS + CONTEXT + o)).all())
 
 
+def test_prefix_cache_copies_no_cache_longer_than_the_sliding_window(llamacpp_members):
+    """Gemma-3's sliding-window layers (512 positions): prompts of over 600 ids sharing their shots,
+    forwarded together then stepped 4 ids one per call, give each prompt's own numbers (a fresh
+    prefill, then the same calls). A copied cache past the window differed by up to 1.5."""
+    m = llamacpp_members["gemma3"]
+    prompts = [m.encode_prompt(SHOTS * 14 + CONTEXT + o) for o in OPTIONS]
+    more = m.codec.encode_text(" it breathes air through its lungs")[:4]
+    assert min(map(len, prompts)) > 600 and len(more) == 4
+
+    def stepped(states):
+        rows = [m.next_logprobs(states)]
+        for tid in more:
+            for st in states:
+                st.ids.append(tid)
+            rows.append(m.next_logprobs(states))
+        for st in states:
+            m.release(st)
+        return [[r[k] for r in rows] for k in range(len(states))]
+
+    before = dict(m.prefix_stats)
+    together = stepped([m.new_state(p) for p in prompts])
+    assert m.prefix_stats["copied"] == before["copied"]
+    saved, m.prefix_cache = m.prefix_cache, False
+    try:
+        alone = [stepped([m.new_state(p)])[0] for p in prompts]
+    finally:
+        m.prefix_cache = saved
+    assert all(bool((a == b).all()) for t, o in zip(together, alone) for a, b in zip(t, o))
+
+
 def test_prefix_cache_reuses_only_what_a_fresh_prefill_computes_alike(llamacpp_members):
     """A cache filled one token per call (generation) is not reused past its prefill; the result is
     bit-identical to a fresh prefill either way."""

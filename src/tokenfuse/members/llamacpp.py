@@ -425,7 +425,7 @@ class LlamaCppMember(LocalMember):
             pooled = [reusable(sl.ids, sl.exact) for sl in self._free]
             best = int(np.argmax(pooled)) if pooled else -1
             reuse = pooled[best] if pooled else 0
-            live = [(reusable(sl.cached_ids(), sl.exact), sl) for sl in self._busy]
+            live = [(reusable(sl.cached_ids(), sl.exact), sl) for sl in self._busy if self._copyable(sl)]
             donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
             if donor is not None and donor_n >= reuse + COPY_MIN:
                 slot = self._least_recent()  # gets a copy of the live context's cache
@@ -441,6 +441,15 @@ class LlamaCppMember(LocalMember):
         slot.owner, slot.ids = st, []
         self._busy.append(slot)
         return slot
+
+    def _copyable(self, slot: _Slot) -> bool:
+        """Whether a copy of ``slot``'s cache gives a fresh prefill's numbers: not for a model with
+        sliding-window layers (Gemma-3) once the cache is longer than the window — the copy then
+        holds another set of cells for those layers, and a longer or shorter row of attention scores
+        is summed in another order (measured on the bundled Gemma-3 file: up to 1.5 in a log-probability
+        past 512 ids; the test in tests/test_llamacpp.py)."""
+        window = self._lib.llama_model_n_swa(self.llm._model.model)
+        return window <= 0 or slot.n <= window
 
     def _least_recent(self) -> _Slot:
         """The pooled context released longest ago, or a new one."""
