@@ -20,7 +20,10 @@ repacked, BF16 KV cache): measured on the bundled files, batches and calls of at
 give every row the one-id numbers (0 up to 7, non-zero from 8 for Gemma-3 and Qwen), past 512
 positions and on either thread count too.
 
-Usage: .venv/bin/python scripts/measure_batch_invariance.py [--exact]
+``--f16-kv`` (with ``--exact``) keeps the F16 KV cache ``exact_calls`` used before, to see the
+thread-split path past 512 positions.
+
+Usage: .venv/bin/python scripts/measure_batch_invariance.py [--exact [--f16-kv]]
 """
 
 from __future__ import annotations
@@ -139,7 +142,13 @@ def long_calls(p: Probe) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--exact", action="store_true", help="load as exact_calls: true does")
-    exact = ap.parse_args().exact
+    ap.add_argument("--f16-kv", action="store_true", help="with --exact: an F16 KV cache instead of BF16")
+    args = ap.parse_args()
+    exact = args.exact
+    if args.f16_kv:
+        import tokenfuse.members.llamacpp as backend
+
+        backend.EXACT_KV_TYPE = 1  # GGML_TYPE_F16
     for name in DEFAULT_ENSEMBLE:
         m = load_member(MemberConfig(name=name, prefix_cache=False, n_threads=1, exact_calls=exact), progress=False)
         p = Probe(m)
