@@ -274,6 +274,7 @@ class LlamaCppMember(LocalMember):
         self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
         self.context_length = n_ctx
         self.threads = self.fixed_threads or cpu_cores()
+        self.swa_window = self._lib.llama_model_n_swa(self.llm._model.model)  # 0: no sliding window
 
     def share_cores(self, n: int) -> None:
         """Use ``n`` threads from the next call on, unless ``n_threads`` was set (llama.cpp's numbers do
@@ -448,8 +449,7 @@ class LlamaCppMember(LocalMember):
         holds another set of cells for those layers, and a longer or shorter row of attention scores
         is summed in another order (measured on the bundled Gemma-3 file: up to 1.5 in a log-probability
         past 512 ids; the test in tests/test_llamacpp.py)."""
-        window = self._lib.llama_model_n_swa(self.llm._model.model)
-        return window <= 0 or slot.n <= window
+        return self.swa_window <= 0 or slot.n <= self.swa_window
 
     def _least_recent(self) -> _Slot:
         """The pooled context released longest ago, or a new one."""
