@@ -153,6 +153,29 @@ def test_prefix_cache_copies_no_cache_longer_than_the_sliding_window(llamacpp_me
     assert all(bool((a == b).all()) for t, o in zip(together, alone) for a, b in zip(t, o))
 
 
+def test_likelihood_options_past_the_sliding_window_reuse_the_prompt_in_place(llamacpp_members):
+    """One-forward scoring of several options of a prompt longer than Gemma-3's window, scored
+    together: each request hands its cache back as soon as its rows are read, so the next option
+    reuses the prompt's cache in place (no copy, which past the window is not exact) — and every
+    option's log-likelihood is the one it gets scored alone with the prefix cache off."""
+    m = llamacpp_members["gemma3"]
+    context = SHOTS * 14 + CONTEXT
+    assert len(m.encode_prompt(context)) > 600
+    ens = Ensemble([m])
+    requests = [(context, o) for o in OPTIONS]
+    before = dict(m.prefix_stats)
+    together = ens.loglikelihood(requests, stepwise=False)
+    assert m.prefix_stats["copied"] == before["copied"]
+    assert m.prefix_stats["reused"] - before["reused"] >= len(OPTIONS) - 1
+    assert m.prefix_stats["fed"] - before["fed"] < 2 * len(m.encode_prompt(context))  # the prompt fed about once
+    saved, m.prefix_cache = m.prefix_cache, False
+    try:
+        alone = [ens.loglikelihood([r], stepwise=False)[0] for r in requests]
+    finally:
+        m.prefix_cache = saved
+    assert [t.piece_logprobs for t in together] == [a.piece_logprobs for a in alone]
+
+
 def test_prefix_cache_reuses_only_what_a_fresh_prefill_computes_alike(llamacpp_members):
     """A cache filled one token per call (generation) is not reused past its prefill; the result is
     bit-identical to a fresh prefill either way."""

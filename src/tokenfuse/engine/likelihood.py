@@ -115,7 +115,8 @@ class RowMemo:
 def score(decider: Decider, seqs: list[Sequence], continuations: Seq[str], *,
           stepwise: bool = False, top: int = 0, memo: RowMemo | None = None) -> list[Likelihood]:
     """The likelihood of each continuation after its sequence's context (``seqs``, freshly opened;
-    the caller closes them). ``stepwise`` forces the piece-by-piece path (the reference); ``top``
+    the caller closes them; the one-forward path hands each member's cache back as soon as a request's
+    rows are read, ``_member_rows``). ``stepwise`` forces the piece-by-piece path (the reference); ``top``
     also keeps the combined distribution's ``top`` most likely entries before each piece (the gate's
     distribution on gated pieces, as in generation); ``memo`` shares members' rows with other
     scorings of the same requests (one-forward path only)."""
@@ -187,8 +188,8 @@ def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], 
                 s.force(u)
     # 2. each member's log-probabilities before every piece, in as few forwards as its ids allow
     with decider.timer.stage("forward"):
-        dists = decider.pool.run(computed, lambda i: [_rows(decider.members[i], s.states[i], ids[i], memo)
-                                                      for s, ids in zip(seqs, before)])
+        dists = decider.pool.run(computed, lambda i: _member_rows(decider.members[i], [s.states[i] for s in seqs],
+                                                                  [ids[i] for ids in before], memo))
     # 3. the pieces' probabilities, piece by piece as in the stepwise path
     topk = decider.combiner.k if decider.combiner.needs == "topk" else 0
     per_piece: list[list[float]] = [[] for _ in seqs]
@@ -212,6 +213,20 @@ def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], 
         for k, p in zip(rows, probs):
             per_piece[k].append(_log(p))
     return per_piece, ensembled
+
+
+def _member_rows(member: Member, finals: list[SeqState], befores: list[list[list[int]]],
+                 memo: RowMemo | None) -> list[list[torch.Tensor]]:
+    """``_rows`` of each request in turn. A request's state is released as soon as its rows are read
+    (nothing reads it again): its cache goes back to the member, so the next request sharing its
+    context (another option of the same question) reuses that cache in place rather than a copy of
+    it — a llama.cpp copy of a cache past a sliding window (Gemma-3) is not exact and is not made,
+    and without this every such option would prefill the whole prompt again."""
+    out = []
+    for final, before in zip(finals, befores):
+        out.append(_rows(member, final, before, memo))
+        member.release(final)
+    return out
 
 
 def _rows(member: Member, final: SeqState, before: list[list[int]], memo: RowMemo | None) -> list[torch.Tensor]:
