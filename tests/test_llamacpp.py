@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tokenfuse import Ensemble
@@ -145,11 +147,8 @@ def test_prefix_cache_copies_no_cache_longer_than_the_sliding_window(llamacpp_me
     before = dict(m.prefix_stats)
     together = stepped([m.new_state(p) for p in prompts])
     assert m.prefix_stats["copied"] == before["copied"]
-    saved, m.prefix_cache = m.prefix_cache, False
-    try:
+    with _prefix_cache_off(m):
         alone = [stepped([m.new_state(p)])[0] for p in prompts]
-    finally:
-        m.prefix_cache = saved
     assert all(bool((a == b).all()) for t, o in zip(together, alone) for a, b in zip(t, o))
 
 
@@ -168,11 +167,8 @@ def test_likelihood_options_past_the_sliding_window_reuse_the_prompt_in_place(ll
     assert m.prefix_stats["copied"] == before["copied"]
     assert m.prefix_stats["reused"] - before["reused"] >= len(OPTIONS) - 1
     assert m.prefix_stats["fed"] - before["fed"] < 2 * len(m.encode_prompt(context))  # the prompt fed about once
-    saved, m.prefix_cache = m.prefix_cache, False
-    try:
+    with _prefix_cache_off(m):
         alone = [ens.loglikelihood([r], stepwise=False)[0] for r in requests]
-    finally:
-        m.prefix_cache = saved
     assert [t.piece_logprobs for t in together] == [a.piece_logprobs for a in alone]
 
 
@@ -198,11 +194,20 @@ def test_prefix_cache_reuses_only_what_a_fresh_prefill_computes_alike(llamacpp_m
 
 def _fresh_ids(m, ids):
     st = m.new_state(ids)
+    with _prefix_cache_off(m):
+        try:
+            return m.next_logprobs([st])[0]
+        finally:
+            m.release(st)
+
+
+@contextlib.contextmanager
+def _prefix_cache_off(m):
+    """``m`` with its prefix cache off inside the block (every sequence prefilled from scratch)."""
     saved, m.prefix_cache = m.prefix_cache, False
     try:
-        return m.next_logprobs([st])[0]
+        yield m
     finally:
-        m.release(st)
         m.prefix_cache = saved
 
 
@@ -346,8 +351,7 @@ def test_logprobs_at_in_blocks_of_eight_equals_one_chunk(llamacpp_members, famil
     """Any split into calls of a multiple of 8 tokens gives one chunk's numbers (the rule the prefix
     cache relies on; shorter calls differ, docs/evaluation.md)."""
     m = llamacpp_members[family]
-    m.prefix_cache = False
-    try:
+    with _prefix_cache_off(m):
         ids = (m.encode_prompt(PROMPTS[0]) + m.codec.encode_text(TEXT + TEXT))[:48]
         st = _state_of(m, ids)
         whole = m.logprobs_at(st, [16, 32, 48])
@@ -360,8 +364,6 @@ def test_logprobs_at_in_blocks_of_eight_equals_one_chunk(llamacpp_members, famil
         m.release(st)
         for a, b in zip(whole, parts):
             assert (a - b).abs().max().item() == 0.0
-    finally:
-        m.prefix_cache = True
 
 
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
