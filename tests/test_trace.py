@@ -69,17 +69,21 @@ def test_single_member_trace_is_the_model_itself(make_tiny, align_cache):
     check_concatenates(g)
     ids = m.encode_prompt(PROMPTS[0])
     text_or_end = torch.tensor([b is not None or i in m.codec.end_ids for i, b in enumerate(m.codec.token_bytes)])
+    # The engine's member computes with its KV cache, the reference here without: the same distribution
+    # up to float rounding, which depends on the CPU's kernels (1.02e-5 relative on an AVX-512 machine;
+    # within 1e-5 on earlier ones), so the tolerance is the project's float-rounding one, 1e-4 (docs/evaluation.md)
+    rel = 1e-4
     for s, tid in zip(g.trace, g.member_ids["solo"]):
         with torch.inference_mode():
             lp = torch.log_softmax(m.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
         p = lp.exp()
         (ms,) = s.members
         assert ms.computed and ms.holds_piece and s.members[0].name == "solo"
-        assert ms.piece_prob == pytest.approx(float(p[tid]), rel=1e-5)
-        assert s.prob == pytest.approx(float(p[tid] / p[text_or_end[: len(p)]].sum()), rel=1e-5)
+        assert ms.piece_prob == pytest.approx(float(p[tid]), rel=rel)
+        assert s.prob == pytest.approx(float(p[tid] / p[text_or_end[: len(p)]].sum()), rel=rel)
         top = torch.topk(lp, 4)
         assert [t.id for t in ms.top] == top.indices.tolist()
-        assert [t.prob for t in ms.top] == pytest.approx(top.values.exp().tolist(), rel=1e-5)
+        assert [t.prob for t in ms.top] == pytest.approx(top.values.exp().tolist(), rel=rel)
         assert [t.text for t in ms.top] == [m.codec.token_bytes[i].decode("utf-8", "replace") for i in top.indices]
         assert s.bytes == m.codec.token_bytes[tid].hex() and not s.skipped and not s.ensembled
         ids.append(tid)
