@@ -312,15 +312,16 @@ def test_input_embeddings_are_the_gguf_table(llamacpp_members):
 
 
 @pytest.mark.real
-def test_a_build_with_amx_kernels_loads_weights_as_stored_and_says_how_to_rebuild(llamacpp_members, monkeypatch,
-                                                                                   caplog):
+def test_a_build_with_amx_kernels_runs_members_with_exact_calls_and_says_how_to_rebuild(llamacpp_members,
+                                                                                        monkeypatch, caplog):
     """llama.cpp's AMX matrix multiply crashes when two contexts decode at once (an ensemble's members
-    do): a member of a build that reports AMX loads its weights as stored (no extra buffer types, so
-    no AMX weights) and logs how to rebuild, once per process; other builds load as before."""
+    do): a member of a build that reports AMX runs with ``exact_calls`` (weights as stored, so no AMX
+    weights) and logs how to rebuild, once per process; other builds load as configured."""
     import logging
     import threading
 
     import llama_cpp
+    import torch
 
     from tokenfuse.members import llamacpp as lc
 
@@ -336,16 +337,20 @@ def test_a_build_with_amx_kernels_loads_weights_as_stored_and_says_how_to_rebuil
     monkeypatch.setattr(lc, "_weights_as_stored", spy)
     monkeypatch.setattr(lc, "_AMX_WARNED", threading.Event())
     plain = LlamaCppMember("smol-plain", base.path, base.tokenizer)
-    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: info.replace(b"AMX_INT8 = 1 | ", b"") + b"AMX_INT8 = 1 | ")
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info",
+                        lambda: info.replace(b"AMX_INT8 = 1 | ", b"") + b"AMX_INT8 = 1 | ")
     with caplog.at_level(logging.WARNING, logger="tokenfuse.llama_cpp"):
         amx = [LlamaCppMember(f"smol-amx{i}", base.path, base.tokenizer) for i in range(2)]
     assert seen == [False, True, True]
-    assert not plain.weights_as_stored and all(m.weights_as_stored for m in amx)
+    assert not plain.exact_calls and all(m.exact_calls for m in amx)
     advice = [r for r in caplog.records if "AMX" in r.getMessage()]
     assert len(advice) == 1 and advice[0].levelno == logging.WARNING and "-mno-amx-int8" in advice[0].getMessage()
-    st = amx[0].new_state(amx[0].encode_prompt("Hi"))  # and it runs
-    assert amx[0].next_logprobs([st])[0].shape[-1] == amx[0].n_vocab
-    amx[0].release(st)
+    exact = LlamaCppMember("smol-exact", base.path, base.tokenizer, exact_calls=True)
+    for m in (amx[0], exact):  # the same numbers as a member configured with exact_calls
+        st = m.new_state(m.encode_prompt("Hi"))
+        seen.append(m.next_logprobs([st])[0])
+        m.release(st)
+    assert torch.equal(seen[-1], seen[-2])
 
 
 @pytest.mark.real

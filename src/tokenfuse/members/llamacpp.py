@@ -180,14 +180,15 @@ def _start_at_a_block(st: SeqState) -> None:
 def amx_build(llama_cpp: Any) -> bool:
     """Whether this llama.cpp was built with its AMX kernels (x86 CPUs since Sapphire Rapids). Their
     matrix multiply crashes the process (segmentation fault) when two contexts decode at once, as an
-    ensemble's members do; they are used only for weights loaded into llama.cpp's extra buffer types,
-    so a member of such a build loads its weights as stored (``_weights_as_stored``)."""
+    ensemble's members do. They are used only for weights loaded into llama.cpp's extra buffer types,
+    so a member of such a build runs with ``exact_calls`` (weights as stored, and the cuts that make
+    such weights' numbers independent of how ids are cut into calls; without them the prefix cache and
+    speculative decoding would not be exact)."""
     return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace")
 
 
-_AMX_ADVICE = ("this llama.cpp build has AMX kernels, which crash when two members decode at once: "
-               "weights are loaded as stored, as with exact_calls (other kernels: the prefix cache's exactness "
-               "rules were measured with repacked weights); to keep those, rebuild "
+_AMX_ADVICE = ("this llama.cpp build has AMX kernels, which crash when two members decode at once: its "
+               "members run with exact_calls (weights as stored); to keep the faster default, rebuild "
                "llama-cpp-python without AMX: CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 "
                "-mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" "
                "pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python (scripts/setup.sh does)")
@@ -245,16 +246,16 @@ class LlamaCppMember(LocalMember):
         self.path = str(gguf_path)
         self.weight_bytes = os.path.getsize(self.path)
         self.n_batch = n_batch
+        if not exact_calls and amx_build(llama_cpp):  # AMX kernels crash beside another context
+            exact_calls = True
+            if not _AMX_WARNED.is_set():
+                _AMX_WARNED.set()
+                log.warning("%s", _AMX_ADVICE)
         self.exact_calls = exact_calls
         if exact_calls and n_batch < LARGE:
             raise ModelLoadError(f"member {name!r}: exact_calls needs n_batch >= {LARGE}")
-        # AMX kernels are not safe to run beside another context (``amx_build``)
-        self.weights_as_stored = exact_calls or amx_build(llama_cpp)
-        if self.weights_as_stored and not exact_calls and not _AMX_WARNED.is_set():
-            _AMX_WARNED.set()
-            log.warning("%s", _AMX_ADVICE)
         try:
-            with _LOAD_LOCK, _weights_as_stored(llama_cpp, self.weights_as_stored):
+            with _LOAD_LOCK, _weights_as_stored(llama_cpp, exact_calls):
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                  n_threads=n_threads or cpu_cores(), logits_all=False,
                                  swa_full=True, flash_attn=exact_calls, verbose=False,
