@@ -267,6 +267,28 @@ def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monk
     assert len(read_ids(gac_file)) == 2
 
 
+def test_generate_form_runs_the_rows_batch_by_batch(tiny_pair, data_dir, tmp_path, monkeypatch):
+    """Each batch of items goes through every row before the next batch starts, so the members'
+    pooled contexts still hold the batch's prompts when the next row feeds them."""
+    from tokenfuse.eval import runner
+
+    members, union = tiny_pair
+    calls = []
+    generate = runner.generate_records
+
+    def spy(ens, task, items, **kw):
+        calls.append([it["id"] for it in items])
+        return generate(ens, task, items, **kw)
+
+    monkeypatch.setattr(runner, "generate_records", spy)
+    settings = EvalSettings(tasks=["triviaqa"], methods=["single", "gac"], limit=3, data=str(data_dir),
+                            out=str(tmp_path / "out"), batch_size=2, num_fewshot=0,
+                            max_new_tokens={"triviaqa": 3}, progress=False)
+    run_eval(config_from_models("s,q"), settings, members=members, union=union, log=lambda m: None)
+    first, second = calls[0], calls[3]
+    assert calls == [first] * 3 + [second] * 3 and len(first) == 2 and len(second) == 1
+
+
 def read_ids(path):
     from tokenfuse.eval.records import read_records
 

@@ -467,3 +467,44 @@ def test_speculative_decoding_stays_in_sync_and_matches_plain_here(llamacpp_memb
         assert 0 < b.accepted <= b.drafted
         for m in members:
             assert m.codec.decode(b.member_ids[m.name]) == b.output
+
+
+
+# ---------------------------------------------------------------------------- eval's generate form
+def test_eval_generate_table_gives_each_rows_outputs_as_it_gives_them_alone(llamacpp_members, tmp_path):
+    """In the generate form the rows run batch by batch, so a row after the first takes the batch's
+    prompts from the caches the previous rows left; its outputs are the ones it gives alone, its
+    prompts prefilled fresh (prefix cache off)."""
+    import json
+
+    from tokenfuse import Ensemble
+    from tokenfuse.config import config_from_models
+    from tokenfuse.eval.records import item_file, read_records
+    from tokenfuse.eval.runner import EvalSettings, run_eval
+
+    qa = [{"id": f"tq-{i}", "question": q, "answer": a, "aliases": [a]} for i, (q, a) in enumerate([
+        ("Which city, on the river Seine, has been the capital of France since the tenth century?", "Paris"),
+        ("Which planet of the solar system, the fourth from the sun, is known as the red planet?", "Mars"),
+        ("Which element, with the chemical symbol O, makes up about a fifth of the air we breathe?", "Oxygen")])]
+    data = tmp_path / "data" / "triviaqa"
+    data.mkdir(parents=True)
+    for split in ("test", "dev"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in qa), encoding="utf-8")
+    members = [llamacpp_members["smollm2"], llamacpp_members["qwen"]]
+    cfg = config_from_models([m.name for m in members])
+    union = Ensemble(members).union
+
+    def outputs(methods, out):
+        settings = EvalSettings(tasks=["triviaqa"], methods=methods, limit=3, data=str(tmp_path / "data"),
+                                out=str(tmp_path / out), batch_size=2, num_fewshot=0,
+                                max_new_tokens={"triviaqa": 6}, progress=False)
+        run_eval(cfg, settings, members=members, union=union, log=lambda msg: None)
+        return {i: r["output"] for i, r in read_records(item_file(tmp_path / out, "triviaqa", "generate",
+                                                                   "gac")).items()}
+
+    before = [m.prefix_stats["reused"] for m in members]
+    table = outputs(["single", "gac"], "table")
+    assert all(m.prefix_stats["reused"] - b >= 3 for m, b in zip(members, before))  # gac's 3 prompts at least
+    with _prefix_cache_off(members[0]), _prefix_cache_off(members[1]):
+        alone = outputs(["gac"], "alone")
+    assert table == alone and len(table) == 3 and all(table.values())
