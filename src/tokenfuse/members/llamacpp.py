@@ -189,9 +189,8 @@ def amx_build(llama_cpp: Any) -> bool:
 
 _AMX_ADVICE = ("this llama.cpp build has AMX kernels, which crash when two members decode at once: its "
                "members run with exact_calls (weights as stored); to keep the faster default, rebuild "
-               "llama-cpp-python without AMX: CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 "
-               "-mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" "
-               "pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python (scripts/setup.sh does)")
+               "llama-cpp-python without AMX by running scripts/setup.sh (it builds without AMX on x86 "
+               "and replaces a build that has it)")
 
 _AMX_WARNED = threading.Event()  # the advice is logged once per process
 
