@@ -44,6 +44,24 @@ def test_mbr_select():
     assert mbr_select(["only"]) == 0
 
 
+def test_vote_and_mbr_on_packed_records_without_outputs():
+    """Published records may have their ``output`` removed (option texts): vote needs only the
+    extracted answers; MBR compares outputs and says which records lack them instead of failing
+    with a KeyError."""
+    from types import SimpleNamespace
+
+    from tokenfuse.eval.runner import output_record
+
+    task, item = SimpleNamespace(name="mmlu"), {"id": "q1"}
+    singles = [{"extracted": "B", "correct": False}, {"extracted": "C", "correct": True},
+               {"extracted": "C", "correct": True, "output": "(C)"}]
+    spec = lambda name: MethodSpec(name, "output", ("smol", "gemma", "qwen"))  # noqa: E731
+    vote = output_record(spec("vote"), task, item, singles, primary=0, form="generate")
+    assert vote == {"id": "q1", "output": None, "extracted": "C", "correct": True, "chosen": "gemma"}
+    with pytest.raises(TokenfuseError, match=r"records of smol, gemma on mmlu item q1 have no 'output'"):
+        output_record(spec("mbr"), task, item, singles, primary=0, form="generate")
+
+
 def test_bootstrap_ci_fixed_seed():
     values = [1] * 6 + [0] * 4
     assert bootstrap_ci(values, seed=0) == pytest.approx((0.3, 0.9))

@@ -142,9 +142,15 @@ def output_record(spec: MethodSpec, task, item: dict, singles: list[dict], *, pr
         if spec.name == "vote":
             k = majority_vote([r.get("extracted") for r in singles], primary=primary)
         else:
-            k = mbr_select([r.get("output") or "" for r in singles], primary=primary)
+            stripped = [n for n, r in zip(names, singles) if "output" not in r]
+            if stripped:
+                raise TokenfuseError(
+                    f"mbr: the records of {', '.join(stripped)} on {task.name} item {item['id']} have no 'output' "
+                    f"(removed when they were packed), and MBR compares the members' outputs: delete those "
+                    f"members' records (items/<task>-<form>/single__<member>.jsonl) to recompute them, or leave mbr out")
+            k = mbr_select([r["output"] or "" for r in singles], primary=primary)
         r = singles[k]
-        return {"id": item["id"], "output": r["output"], "extracted": r["extracted"], "correct": r["correct"],
+        return {"id": item["id"], "output": r.get("output"), "extracted": r["extracted"], "correct": r["correct"],
                 "chosen": names[k]}
     gold, options = singles[0]["gold"], singles[0]["options"]
     if spec.name == "seq-avg":
