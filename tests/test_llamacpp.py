@@ -324,6 +324,7 @@ def test_a_build_with_amx_kernels_runs_members_with_exact_calls_and_says_how_to_
     import torch
 
     from tokenfuse.members import llamacpp as lc
+    from tokenfuse.members import llamacpp_lib
 
     base = llamacpp_members["smollm2"]
     info = llama_cpp.llama_print_system_info()
@@ -333,9 +334,9 @@ def test_a_build_with_amx_kernels_runs_members_with_exact_calls_and_says_how_to_
         seen.append(on)
         return real(lib, on)
 
-    real = lc._weights_as_stored
-    monkeypatch.setattr(lc, "_weights_as_stored", spy)
-    monkeypatch.setattr(lc, "_AMX_WARNED", threading.Event())
+    real = lc.weights_as_stored
+    monkeypatch.setattr(lc, "weights_as_stored", spy)
+    monkeypatch.setattr(llamacpp_lib, "AMX_WARNED", threading.Event())
     plain = LlamaCppMember("smol-plain", base.path, base.tokenizer)
     monkeypatch.setattr(llama_cpp, "llama_print_system_info",
                         lambda: info.replace(b"AMX_INT8 = 1 | ", b"") + b"AMX_INT8 = 1 | ")

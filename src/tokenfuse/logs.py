@@ -3,7 +3,7 @@
 ``tokenfuse --verbose`` (or ``TOKENFUSE_LOG=debug``) sends every record at DEBUG and above to
 standard error; without it nothing configures a handler and these lines go nowhere. llama.cpp's
 lines are routed where llama.cpp is imported (logger ``tokenfuse.llama_cpp``,
-``tokenfuse.members.llamacpp``); transformers' by ``route_transformers_logs``, called by whatever is
+``tokenfuse.members.llamacpp_lib``); transformers' by ``route_transformers_logs``, called by whatever is
 about to use transformers (it imports transformers, so never on the llama.cpp path).
 """
 

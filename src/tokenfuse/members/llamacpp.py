@@ -36,16 +36,14 @@ of them, which sums them in another order than a call of 2+ ids or one thread do
 a long sequence would depend on the cut and on the thread count); with BF16 every call takes the
 per-row kernel. A sequence's numbers then do not depend on how its ids were cut into calls nor on
 the threads: one-forward scoring equals the stepwise path and speculative decoding equals plain
-decoding bit for bit.
+decoding bit for bit. (A build with AMX kernels runs every member with it: ``llamacpp_lib``, which
+also imports the library and routes its log lines.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,16 +51,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenfuse.errors import ModelLoadError, ModelNotInstalledError
+from tokenfuse.errors import ModelLoadError
 from tokenfuse.members.base import LocalMember, SeqState, cpu_cores
 from tokenfuse.members.codec import load_or_build_codec
 from tokenfuse.members.embeddings import EmbeddingRows
-
-PIP_LLAMACPP = 'pip install "llama-cpp-python==0.3.36"'
-# llama-cpp-python silences llama.cpp while it loads by redirecting the process's stdout/stderr
-# file descriptors; two threads doing that at once leave them pointing at /dev/null for good.
-# Model and context creation therefore take this lock (members may be loaded in threads).
-_LOAD_LOCK = threading.Lock()
+from tokenfuse.members.llamacpp_lib import LOAD_LOCK, exact_calls_for_build, import_llama_cpp, weights_as_stored
 
 # llama.cpp's CPU kernels compute a decode call of fewer than BLOCK ids differently from a longer one
 # and group the rows of a longer one from its first position (scripts/measure_split.py). A cached
@@ -81,45 +74,6 @@ LARGE = 64
 # exact_calls' KV cache type, GGML_TYPE_BF16 (llama-cpp-python names no constant for it): keeps a
 # one-id call from the thread-split attention path (F16/F32 keys and values, 512+ cached positions).
 EXACT_KV_TYPE = 30
-
-
-def import_llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError as err:
-        raise ModelNotInstalledError(
-            f"backend llamacpp needs llama-cpp-python (it compiles llama.cpp, a few minutes): {PIP_LLAMACPP}; "
-            "or set `backend: transformers` for this member"
-        ) from err
-    _route_logs(llama_cpp)
-    return llama_cpp
-
-
-log = logging.getLogger("tokenfuse.llama_cpp")
-_log_callback = None  # the ctypes callback llama.cpp holds (kept alive here)
-_last_level = logging.DEBUG
-# ggml_log_level of this llama.cpp: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the line)
-GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5
-
-
-def _route_logs(llama_cpp) -> None:
-    """Send llama.cpp's own log lines (context creation, the SWA cache notice, ...) to the Python
-    logger ``tokenfuse.llama_cpp`` instead of stderr: errors at ERROR, everything else at DEBUG, so a
-    terminal stays clean unless logging is turned up (``tokenfuse --verbose``, ``TOKENFUSE_LOG=debug``)."""
-    global _log_callback
-    if _log_callback is not None:
-        return
-
-    @llama_cpp.llama_log_callback
-    def callback(level: int, text: bytes, _user_data) -> None:
-        global _last_level
-        if level != GGML_LOG_CONT:
-            _last_level = logging.ERROR if level == GGML_LOG_ERROR else logging.DEBUG
-        if log.isEnabledFor(_last_level):
-            log.log(_last_level, "%s", text.decode("utf-8", errors="replace").rstrip("\n"))
-
-    _log_callback = callback
-    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 def _put(b: Any, j: int, token: int, pos: int, seq: int) -> None:
@@ -177,47 +131,6 @@ def _start_at_a_block(st: SeqState) -> None:
         st.n_valid -= st.n_valid % LARGE
 
 
-def amx_build(llama_cpp: Any) -> bool:
-    """Whether this llama.cpp was built with its AMX kernels (x86 CPUs since Sapphire Rapids). Their
-    matrix multiply crashes the process (segmentation fault) when two contexts decode at once, as an
-    ensemble's members do. They are used only for weights loaded into llama.cpp's extra buffer types,
-    so a member of such a build runs with ``exact_calls`` (weights as stored, and the cuts that make
-    such weights' numbers independent of how ids are cut into calls; without them the prefix cache and
-    speculative decoding would not be exact)."""
-    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace")
-
-
-_AMX_ADVICE = ("this llama.cpp build has AMX kernels, which crash when two members decode at once: its "
-               "members run with exact_calls (weights as stored); to keep the faster default, rebuild "
-               "llama-cpp-python without AMX by running scripts/setup.sh (it builds without AMX on x86 "
-               "and replaces a build that has it)")
-
-_AMX_WARNED = threading.Event()  # the advice is logged once per process
-
-
-@contextlib.contextmanager
-def _weights_as_stored(llama_cpp: Any, on: bool):
-    """While ``on``, llama.cpp loads a model without repacking its weights for its faster kernels
-    (``use_extra_bufts``; ``Llama`` has no parameter for it, so the default parameters it starts from
-    are changed; callers hold ``_LOAD_LOCK``)."""
-    if not on:
-        yield
-        return
-    lib = llama_cpp.llama_cpp
-    default = lib.llama_model_default_params
-
-    def stored():
-        params = default()
-        params.use_extra_bufts = False
-        return params
-
-    lib.llama_model_default_params = stored
-    try:
-        yield
-    finally:
-        lib.llama_model_default_params = default
-
-
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
     if n <= 0:
@@ -245,16 +158,12 @@ class LlamaCppMember(LocalMember):
         self.path = str(gguf_path)
         self.weight_bytes = os.path.getsize(self.path)
         self.n_batch = n_batch
-        if not exact_calls and amx_build(llama_cpp):  # AMX kernels crash beside another context
-            exact_calls = True
-            if not _AMX_WARNED.is_set():
-                _AMX_WARNED.set()
-                log.warning("%s", _AMX_ADVICE)
+        exact_calls = exact_calls_for_build(llama_cpp, exact_calls)  # AMX kernels crash beside another context
         self.exact_calls = exact_calls
         if exact_calls and n_batch < LARGE:
             raise ModelLoadError(f"member {name!r}: exact_calls needs n_batch >= {LARGE}")
         try:
-            with _LOAD_LOCK, _weights_as_stored(llama_cpp, exact_calls):
+            with LOAD_LOCK, weights_as_stored(llama_cpp, exact_calls):
                 self.llm = Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                  n_threads=n_threads or cpu_cores(), logits_all=False,
                                  swa_full=True, flash_attn=exact_calls, verbose=False,
@@ -321,7 +230,7 @@ class LlamaCppMember(LocalMember):
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
         if ctx is None:
-            with _LOAD_LOCK:
+            with LOAD_LOCK:
                 ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
         return _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
 
@@ -378,7 +287,7 @@ class LlamaCppMember(LocalMember):
             params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
             params.n_seq_max, params.kv_unified = self.multi_seq, not self.exact_calls
             params.n_ctx = self.context_length * self.multi_seq
-            with _LOAD_LOCK:
+            with LOAD_LOCK:
                 ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
             self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
         self._threads_on(self._multi)
