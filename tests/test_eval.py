@@ -237,6 +237,32 @@ def tiny_pair(make_tiny, one_thread):
     return members, Ensemble(members).union
 
 
+def test_output_rows_resume_from_packed_likelihood_records_without_options(tiny_pair, data_dir, tmp_path):
+    """The published likelihood records have their option texts removed; vote, MBR and seq-avg
+    computed on them later (a resumed or extended run) take the options from the task and give the
+    records they give from the full ones."""
+    members, union = tiny_pair
+    cfg = config_from_models("s,q")
+
+    def run(out, methods):
+        settings = EvalSettings(tasks=["arc_easy"], methods=methods, limit=2, data=str(data_dir), out=str(out),
+                                batch_size=2, num_fewshot=0, progress=False)
+        run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
+
+    run(tmp_path / "full", ["single", "vote", "mbr"])
+    packed = tmp_path / "packed" / "items" / "arc_easy-likelihood"
+    packed.mkdir(parents=True)
+    for name in ("single__s.jsonl", "single__q.jsonl"):
+        rows = [json.loads(line) for line in (tmp_path / "full" / "items" / "arc_easy-likelihood" / name).open()]
+        assert all("options" in r for r in rows)
+        (packed / name).write_text("".join(json.dumps({k: v for k, v in r.items() if k != "options"}) + "\n"
+                                           for r in rows), encoding="utf-8")
+    run(tmp_path / "packed", ["single", "vote", "mbr"])
+    for name in ("vote.jsonl", "mbr.jsonl", "seq-avg.jsonl"):
+        full = (tmp_path / "full" / "items" / "arc_easy-likelihood" / name).read_text()
+        assert (packed / name).read_text() == full and full.count("\n") == 2
+
+
 def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monkeypatch):
     from tokenfuse.engine import Ensemble
 

@@ -152,7 +152,7 @@ def output_record(spec: MethodSpec, task, item: dict, singles: list[dict], *, pr
         r = singles[k]
         return {"id": item["id"], "output": r.get("output"), "extracted": r["extracted"], "correct": r["correct"],
                 "chosen": names[k]}
-    gold, options = singles[0]["gold"], singles[0]["options"]
+    gold, options = singles[0]["gold"], list(task.cloze(item).continuations)  # the task's: packed records drop them
     if spec.name == "seq-avg":
         n = len(options)
         per_byte = [sum(r["logprobs"][j] / max(r["bytes"][j], 1) for r in singles) / len(singles) for j in range(n)]
