@@ -17,7 +17,7 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from tokenfuse.eval.records import read_records
+from tokenfuse.eval.records import read_records, task_dir
 from tokenfuse.tasks import load_task
 from tokenfuse.tasks.base import letters
 
@@ -33,7 +33,7 @@ def main() -> None:
     items = task.dev_subset(args.limit) if args.dev else task.subset(args.limit)
     gold = {str(it["id"]): it["answer"] for it in items}
     keys = letters(max(len(it["choices"]) for it in items))
-    folder = args.out / "items" / f"{args.task}-generate{'-dev' if args.dev else ''}"
+    folder = task_dir(args.out, args.task, "generate-dev" if args.dev else "generate")
     if not folder.is_dir():
         raise SystemExit(f"no letter-form records in {folder}: run `tokenfuse eval --tasks {args.task} "
                          f"--mc generate --out {args.out}` first (or unpack its items-{args.task}.tar.gz there)")

@@ -23,12 +23,12 @@ import sys
 import tarfile
 from pathlib import Path
 
-from tokenfuse.eval.records import read_records
+from tokenfuse.eval.records import read_records, task_dir
 
 
 def pack(task: str, out: Path, dest: Path, form: str, strip: list[str]) -> tuple[Path, int]:
     """Write DEST/items-TASK.tar.gz; returns its path and the number of records packed."""
-    dirs = [d for d in (out / "items" / f"{task}-{form}", out / "items" / f"{task}-{form}-dev") if d.is_dir()]
+    dirs = [d for d in (task_dir(out, task, form), task_dir(out, task, f"{form}-dev")) if d.is_dir()]
     if not dirs:
         raise SystemExit(f"error: no records of {task!r} in the {form} form under {out / 'items'} "
                          f"(expected {task}-{form}/ or {task}-{form}-dev/; check --out, TASK and --form)")

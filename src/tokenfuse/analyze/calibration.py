@@ -79,9 +79,9 @@ def from_records(records: Sequence[dict], *, bins: int = 10) -> Reliability:
 
 
 def _records_from_eval(eval_out: Path, task: str, methods: Sequence[str]) -> dict[str, list[dict]]:
-    from tokenfuse.eval.records import read_records
+    from tokenfuse.eval.records import read_records, task_dir
 
-    folder = Path(eval_out) / "items" / f"{task}-likelihood"
+    folder = task_dir(eval_out, task, "likelihood")
     if not folder.is_dir():
         raise TokenfuseError(f"{folder}: no likelihood records; run `tokenfuse eval --tasks {task} --mc likelihood "
                              f"--out {eval_out}` first")

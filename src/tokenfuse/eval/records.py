@@ -12,8 +12,13 @@ import json
 from pathlib import Path
 
 
+def task_dir(out: Path, task: str, form: str) -> Path:
+    """The directory of one task's records in one form (``form`` ``generate-dev`` etc. for dev items)."""
+    return Path(out) / "items" / f"{task}-{form}"
+
+
 def item_file(out: Path, task: str, form: str, method: str) -> Path:
-    return Path(out) / "items" / f"{task}-{form}" / (method.replace(":", "__").replace("/", "_") + ".jsonl")
+    return task_dir(out, task, form) / (method.replace(":", "__").replace("/", "_") + ".jsonl")
 
 
 def read_records(path: Path) -> dict[str, dict]:
