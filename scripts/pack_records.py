@@ -4,7 +4,8 @@ Takes `OUT/items/<task>-<form>/` and `OUT/items/<task>-<form>-dev/` (test and de
 named fields from every record (by default `options`, the option texts, which the task gives again
 when a run resumes), skips lines cut off by an interrupt, and writes `DEST/items-<task>.tar.gz`,
 which unpacks into an eval's `--out` to resume or re-aggregate the run:
-`tar xzf DEST/items-<task>.tar.gz -C OUT`. Members and order are kept; the archive is the same bytes
+`tar xzf DEST/items-<task>.tar.gz -C OUT`. Each row's `<method>.spec.json` (the configuration that
+made its records, `tokenfuse.eval.records.keep_if_made_by`) goes along as it is. Members and order are kept; the archive is the same bytes
 for the same records (sorted names, no timestamps).
 
 Keep `output` in a generate-form run that is still in progress (MBR compares the members' outputs);
@@ -49,6 +50,11 @@ def pack(task: str, out: Path, dest: Path, form: str, strip: list[str]) -> tuple
                 info.size, info.mode = len(data), 0o644
                 tar.addfile(info, io.BytesIO(data))
                 count += len(lines)
+            for path in sorted(d.glob("*.spec.json")):  # the configuration that made each row's records
+                data = path.read_bytes()
+                info = tarfile.TarInfo(f"items/{d.name}/{path.name}")
+                info.size, info.mode = len(data), 0o644
+                tar.addfile(info, io.BytesIO(data))
     with target.open("wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
         gz.write(buf.getvalue())
     return target, count

@@ -289,7 +289,7 @@ def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monk
     rec = json.loads(lines[0])
     assert len(rec["logprobs"]) == len(rec["options"]) == len(rec["bytes"]) and rec["pred"] in range(len(rec["options"]))
     # The same items for every method: the seeded subset.
-    ids = {p.name: [json.loads(x)["id"] for x in p.read_text().splitlines()] for p in gac_file.parent.iterdir()}
+    ids = {p.name: [json.loads(x)["id"] for x in p.read_text().splitlines()] for p in gac_file.parent.glob("*.jsonl")}
     assert len({tuple(v) for v in ids.values()}) == 1
 
     # A rerun computes nothing: every item is finished.
@@ -345,6 +345,8 @@ def test_cli_eval_errors_are_one_line(capsys):
     assert main(["eval", "--methods", "single,mbrr", "--data", "/nonexistent"]) == 2
     assert "did you mean 'mbr'" in capsys.readouterr().err
     assert main(["eval", "--limit", "0"]) == 2
+    assert main(["eval", "--member-dev-limit", "0"]) == 2
+    assert "--member-dev-limit: expected 1 or more, got 0" in capsys.readouterr().err
 
 
 def test_prompt_form_follows_the_members_templates():
@@ -394,7 +396,7 @@ def test_auto_chosen_config():
     alone = chosen_config(cfg, MethodSpec("single:c", "engine", ("c",)))
     assert [m.name for m in alone.members] == ["c"] and alone.gate is None
     assert chosen_config(cfg, MethodSpec("vote", "output", ("a", "b", "c"))) is None
-    text = config_text(gated, Choice("auto:gated@0.3", "single:b", "auto:gated@0.3", None, {"single:b": 0.8}, 10),
+    text = config_text(gated, Choice("auto:gated@0.3", "single:b", "auto:gated@0.3", None, {"single:b": 0.8}, 10, 40),
                        task="arc_easy")
     assert text.startswith("# Chosen by `tokenfuse eval`'s auto row on arc_easy") and "#   single:b: 80.0" in text
     assert [m.name for m in parse_config(yaml.safe_load(text)).members] == ["a", "b", "c"]
@@ -414,6 +416,37 @@ def test_auto_choice_needs_a_clear_gain_on_dev():
     assert choose(_dev({"single:a": [1, 0], "single:b": [1, 1]})).chosen == "single:b"
 
 
+def test_auto_ranks_the_members_on_their_own_dev_items():
+    from tokenfuse.eval.auto import choose
+
+    dev = _dev({"single:a": [1] * 6 + [0] * 4, "single:b": [1] * 4 + [0] * 6, "gac": [1] * 6 + [0] * 4})
+    ranked = _dev({"single:a": [1] * 6 + [0] * 34, "single:b": [1] * 4 + [0] * 6 + [1] * 20 + [0] * 10})
+    c = choose(dev, ranked)  # b leads on its 40 items though a leads on the 10 the rest ran
+    assert (c.best_single, c.chosen, c.n, c.member_n) == ("single:b", "single:b", 10, 40)
+    assert c.dev_acc["single:b"] == 0.6 and c.dev_acc["gac"] == 0.6
+    assert c.gain[0] == pytest.approx(0.2)  # gac against b on the 10 items both ran: not clear at 90 %
+    assert c.as_dict()["member_dev_items"] == 40
+
+
+def test_records_of_another_configuration_are_moved_aside(tmp_path):
+    from tokenfuse.eval.records import append_records, keep_if_made_by, read_records
+
+    path = tmp_path / "auto__gated@0.5.jsonl"
+    gate_a = {"members": ["a", "b"], "overrides": {"gate": "a", "threshold": 0.5}}
+    assert keep_if_made_by(path, gate_a) is None  # nothing yet: the spec is written
+    append_records(path, [_rec(1, True)])
+    assert keep_if_made_by(path, gate_a) is None and set(read_records(path)) == {"1"}
+    moved = keep_if_made_by(path, {**gate_a, "overrides": {"gate": "b", "threshold": 0.5}})
+    assert moved == tmp_path / "auto__gated@0.5.jsonl.stale1" and not path.exists()
+    assert set(read_records(moved)) == {"1"}  # nothing lost
+    append_records(path, [_rec(2, False)])
+    assert keep_if_made_by(path, gate_a).name == "auto__gated@0.5.jsonl.stale2"
+    legacy = tmp_path / "gac.jsonl"  # records of a run before the spec files: kept, the spec written
+    append_records(legacy, [_rec(1, True)])
+    assert keep_if_made_by(legacy, gate_a) is None and legacy.exists()
+    assert (tmp_path / "gac.spec.json").is_file()
+
+
 def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path, monkeypatch):
     from tokenfuse.engine import Ensemble
     from tokenfuse.config import load_config
@@ -427,22 +460,26 @@ def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path
     out = tmp_path / "out"
     settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods="single,gac,auto", limit=3,  # as the CLI gives it
                             data=str(data_dir), out=str(out), batch_size=2, num_fewshot=0,
-                            max_new_tokens={"triviaqa": 2}, progress=False, dev_limit=3)
+                            max_new_tokens={"triviaqa": 2}, progress=False, dev_limit=2)  # members: all 3
     res = run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
     assert set(res["auto"]) == {"arc_easy", "triviaqa"} and "auto" in res["overview"]
     assert res["settings"]["methods"] == ["single", "gac", "auto"]
     for task, form in (("arc_easy", "likelihood"), ("triviaqa", "generate")):
         dev_dir = out / "items" / f"{task}-{form}-dev"
-        files = {p.stem.replace("__", ":"): list(read_records(p).values()) for p in dev_dir.iterdir()}
+        files = {p.stem.replace("__", ":"): list(read_records(p).values()) for p in dev_dir.glob("*.jsonl")}
         order = ["single:s", "single:q", "gac", "seq-avg", *(f"auto:gated@{t:g}" for t in THRESHOLDS),
                  "auto:gac@kept", "auto:unite@kept"]  # the table's rows, then the candidates, as the runner has them
         assert set(files) <= set(order) and {"single:s", "single:q", "gac", "auto:gated@0.5"} <= set(files)
-        dev = {m: files[m] for m in order if m in files}
-        assert all(len(r) == 3 for r in dev.values())
+        ranked = {m: files[m] for m in ("single:s", "single:q")}
+        assert all(len(r) == 3 for r in ranked.values())  # the members alone on more dev items than the rest
+        ids = {r["id"] for r in files["gac"]}
+        dev = {m: [r for r in files[m] if r["id"] in ids] for m in order if m in files}
+        assert all(len(r) == 2 for r in dev.values()) and ids < {r["id"] for r in ranked["single:s"]}
         test_ids = set(read_records(out / "items" / f"{task}-{form}" / "gac.jsonl"))
         assert not test_ids & {r["id"] for r in dev["gac"]} or task == "triviaqa"  # TriviaQA's fixture repeats them
-        expected = choose(dev)
+        expected = choose(dev, ranked)
         assert res["auto"][task]["chosen"] == expected.chosen
+        assert (res["auto"][task]["dev_items"], res["auto"][task]["member_dev_items"]) == (2, 3)
         chosen_file = out / "items" / f"{task}-{form}" / (expected.chosen.replace(":", "__") + ".jsonl")
         auto = read_records(out / "items" / f"{task}-{form}" / "auto.jsonl")
         assert {i: r["correct"] for i, r in auto.items()} == {i: r["correct"] for i, r in read_records(chosen_file).items()}

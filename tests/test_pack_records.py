@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenfuse.eval.records import append_records, item_file, read_records
+from tokenfuse.eval.records import append_records, item_file, keep_if_made_by, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +26,7 @@ def _write(out: Path) -> None:
             {"id": "t2", "output": " ¿5?", "extracted": "5", "correct": False, "options": ["b"]}]
     append_records(item_file(out, "gsm8k", "generate", "single:gemma3-270m"), test)
     append_records(item_file(out, "gsm8k", "generate-dev", "gac"), [{"id": "d1", "output": " 7", "correct": True}])
+    keep_if_made_by(item_file(out, "gsm8k", "generate-dev", "gac"), {"members": ["a", "b"], "overrides": {"method": "gac"}})
     with item_file(out, "gsm8k", "generate", "gac").open("a", encoding="utf-8") as f:
         f.write(json.dumps(test[0]) + "\n" + '{"id": "t2", "outp')  # the last line cut off by an interrupt
     append_records(item_file(out, "piqa", "likelihood", "gac"), [{"id": "p1", "pred": 0}])  # another task: not packed
@@ -37,8 +38,8 @@ def test_pack_strips_the_named_fields_and_unpacks_into_the_records(tmp_path):
     target, count = _script().pack("gsm8k", out, dest, "generate", ["options"])
     assert target == dest / "items-gsm8k.tar.gz" and count == 4
     with tarfile.open(target) as tar:
-        assert sorted(tar.getnames()) == ["items/gsm8k-generate-dev/gac.jsonl", "items/gsm8k-generate/gac.jsonl",
-                                          "items/gsm8k-generate/single__gemma3-270m.jsonl"]
+        assert sorted(tar.getnames()) == ["items/gsm8k-generate-dev/gac.jsonl", "items/gsm8k-generate-dev/gac.spec.json",
+                                          "items/gsm8k-generate/gac.jsonl", "items/gsm8k-generate/single__gemma3-270m.jsonl"]
         for member in tar.getmembers():  # unpacked by hand: extractall's filter= needs Python >= 3.11.4
             path = back / member.name
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,6 +49,8 @@ def test_pack_strips_the_named_fields_and_unpacks_into_the_records(tmp_path):
                       "t2": {"id": "t2", "output": " ¿5?", "extracted": "5", "correct": False}}
     assert list(read_records(item_file(back, "gsm8k", "generate", "gac"))) == ["t1"]
     assert read_records(item_file(back, "gsm8k", "generate-dev", "gac")) == {"d1": {"id": "d1", "output": " 7", "correct": True}}
+    assert json.loads((back / "items" / "gsm8k-generate-dev" / "gac.spec.json").read_text()) == \
+        {"members": ["a", "b"], "overrides": {"method": "gac"}}
     first = target.read_bytes()
     _script().pack("gsm8k", out, dest, "generate", ["options"])
     assert target.read_bytes() == first  # the same records give the same archive

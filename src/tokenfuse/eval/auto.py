@@ -23,6 +23,14 @@ Choice (``choose``): the best member on dev (ties: member order) unless the best
 (ties: candidate order) beats it on dev with its paired bootstrap ``LEVEL`` interval (1,000
 resamples, seed 0) wholly above 0 — so ``auto`` ends with one member alone unless an ensemble is
 measurably better on dev.
+
+Dev counts: every row and candidate runs on ``DEV_LIMITS[form]`` dev items (``--dev-limit``); the
+members alone, which decide the best member (and so the gate, the primary and the kept members of
+the candidates), on at least ``MEMBER_DEV_LIMIT`` (``--member-dev-limit``; all dev items when
+fewer) — the first dev items of the same seeded order, so the candidates' items are among them. A
+member alone is the cheapest row, and picking the wrong one is what puts ``auto`` below the best
+member: 50 generate-form dev items could not tell the members apart on a task mixing many subtasks
+(BBH). The challenger's gain is paired on the candidates' items.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from tokenfuse.eval.stats import paired_bootstrap
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 LEVEL = 0.90
 DEV_LIMITS = {"likelihood": 200, "generate": 50}  # dev items per task by default (``--dev-limit``)
+MEMBER_DEV_LIMIT = 200  # at least this many for the members alone (``--member-dev-limit``)
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,9 @@ class Choice:
         best_single: the best member alone on dev.
         challenger: the best other candidate on dev (``None`` without one).
         gain: challenger minus best single on dev (accuracy, 0..1) and its ``LEVEL`` interval.
-        dev_acc: every candidate's dev accuracy.
-        n: dev items.
+        dev_acc: every candidate's dev accuracy (a member alone's on its ``member_n`` items).
+        n: dev items of every row and candidate (the gain is paired on them).
+        member_n: dev items the members alone were ranked on.
     """
 
     chosen: str
@@ -57,12 +67,13 @@ class Choice:
     gain: tuple[float, float, float] | None
     dev_acc: dict[str, float]
     n: int
+    member_n: int
 
     def as_dict(self) -> dict:
         return {"chosen": self.chosen, "best_single": self.best_single, "challenger": self.challenger,
                 "dev_gain": None if self.gain is None else {"gain": self.gain[0], "ci": list(self.gain[1:]),
                                                             "level": LEVEL},
-                "dev_acc": self.dev_acc, "dev_items": self.n}
+                "dev_acc": self.dev_acc, "dev_items": self.n, "member_dev_items": self.member_n}
 
 
 def _accuracy(records: Sequence[dict]) -> float:
@@ -97,19 +108,22 @@ def candidates(cfg, dev: dict[str, Sequence[dict]]) -> list[MethodSpec]:
     return specs
 
 
-def choose(dev: dict[str, Sequence[dict]]) -> Choice:
-    """The choice rule (module docstring) over every candidate's dev records (paired by item)."""
+def choose(dev: dict[str, Sequence[dict]], ranked: dict[str, Sequence[dict]] | None = None) -> Choice:
+    """The choice rule (module docstring) over every candidate's dev records ``dev`` (paired by
+    item), the members ranked on their records ``ranked`` (default: theirs in ``dev``)."""
     from tokenfuse.eval.report import paired_correct
 
-    single = best_single(dev)
-    acc = {m: _accuracy(r) for m, r in dev.items()}
+    ranked = ranked or {m: r for m, r in dev.items() if m.startswith("single:")}
+    single = best_single(ranked)
+    acc = {m: _accuracy(r) for m, r in dev.items()} | {m: _accuracy(r) for m, r in ranked.items()}
     others = [m for m in dev if not m.startswith("single:")]
+    n, member_n = len(dev[single]), len(ranked[single])
     if not others:
-        return Choice(single, single, None, None, acc, len(dev[single]))
+        return Choice(single, single, None, None, acc, n, member_n)
     challenger = max(others, key=lambda m: acc[m])
     gain = paired_bootstrap(*paired_correct(dev[challenger], dev[single]), level=LEVEL)
     chosen = challenger if gain[1] > 0 else single
-    return Choice(chosen, single, challenger, gain, acc, len(dev[single]))
+    return Choice(chosen, single, challenger, gain, acc, n, member_n)
 
 
 def chosen_config(cfg, spec: MethodSpec):
@@ -135,6 +149,6 @@ def config_text(config, choice: Choice, *, task: str) -> str:
     from tokenfuse.select import config_yaml
 
     head = [f"# Chosen by `tokenfuse eval`'s auto row on {task}: {choice.chosen}, on {choice.n} dev items "
-            "(never the test items).", "# dev accuracy of every candidate:"]
+            f"({choice.member_n} for the members alone; never the test items).", "# dev accuracy of every candidate:"]
     head += [f"#   {name}: {100 * acc:.1f}" for name, acc in sorted(choice.dev_acc.items(), key=lambda t: -t[1])]
     return "\n".join(head) + "\n" + config_yaml(config)

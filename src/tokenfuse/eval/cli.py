@@ -55,6 +55,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threshold", dest="eval_threshold", type=float, help="threshold of gac-threshold (default: the config's, else 0.5)")
     p.add_argument("--dev-limit", type=int, help="auto: dev items per task it chooses on (default 200 in the "
                                                  "likelihood form, 50 in the generate form)")
+    p.add_argument("--member-dev-limit", type=int, help="auto: dev items the members alone are ranked on "
+                                                        "(default 200; never fewer than --dev-limit)")
     p.add_argument("--scoring", choices=("one-forward", "stepwise"),
                    help="likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -64,8 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise TokenfuseError(f"--limit: expected 1 or more, got {args.limit}")
-    if args.dev_limit is not None and args.dev_limit < 1:
-        raise TokenfuseError(f"--dev-limit: expected 1 or more, got {args.dev_limit}")
+    for flag, value in (("--dev-limit", args.dev_limit), ("--member-dev-limit", args.member_dev_limit)):
+        if value is not None and value < 1:
+            raise TokenfuseError(f"{flag}: expected 1 or more, got {value}")
     if args.batch_size < 1:
         raise TokenfuseError(f"--batch-size: expected 1 or more, got {args.batch_size}")
     cfg = EnsembleConfig.from_args(args)
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], methods=args.methods, limit=args.limit,
         limits=_int_map(args.task_limits, "--task-limits"), seed=args.seed, data=args.data, out=args.out,
         mc=args.mc, batch_size=args.batch_size, max_new_tokens=_int_map(args.task_max_new_tokens, "--max-new-tokens"),
-        num_fewshot=args.num_fewshot, progress=not args.quiet, dev_limit=args.dev_limit)
+        num_fewshot=args.num_fewshot, progress=not args.quiet, dev_limit=args.dev_limit,
+        member_dev_limit=args.member_dev_limit)
     t0 = time.perf_counter()
     results = run_eval(cfg, settings)
     print(markdown_table(results))

@@ -4,6 +4,12 @@ Layout under ``--out``: ``items/<task>-<form>/<method>.jsonl`` (``single:<member
 ``single__<member>``). Each line is one finished item, appended and flushed as soon as its batch is
 done, so an interrupted run loses at most one batch. A line that does not parse (cut off by an
 interrupt) is ignored and its item runs again.
+
+Beside each engine row's records, ``<method>.spec.json`` holds the configuration that made them (its
+members and overrides, ``keep_if_made_by``): a rerun whose row of the same name is configured
+otherwise (``auto``'s gated candidate with another gate, ``gac-threshold`` with another ``--gate``)
+moves the old records aside, to ``<method>.jsonl.stale<k>``, and runs the row again instead of
+resuming from records another configuration made. Records without the file (older runs) are kept.
 """
 
 from __future__ import annotations
@@ -46,3 +52,20 @@ def append_records(path: Path, records: list[dict]) -> None:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         f.flush()
+
+
+def keep_if_made_by(path: Path, spec: dict) -> Path | None:
+    """Keep the records at ``path`` only if ``spec`` (JSON-able: the row's members and overrides)
+    made them; otherwise move them aside (returns where to; nothing is deleted). Writes ``spec``
+    beside the records, so the next run checks against it."""
+    spec = json.loads(json.dumps(spec, sort_keys=True))  # the form it has when read back
+    side = path.with_name(path.stem + ".spec.json")
+    moved = None
+    if side.is_file() and path.is_file() and json.loads(side.read_text(encoding="utf-8")) != spec:
+        k = 1
+        while path.with_name(f"{path.name}.stale{k}").exists():
+            k += 1
+        moved = path.rename(path.with_name(f"{path.name}.stale{k}"))
+    side.parent.mkdir(parents=True, exist_ok=True)
+    side.write_text(json.dumps(spec, sort_keys=True) + "\n", encoding="utf-8")
+    return moved

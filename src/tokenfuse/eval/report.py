@@ -219,7 +219,9 @@ def auto_lines(results: dict) -> list[str]:
         other = "—" if c["challenger"] is None else f"{c['challenger']} {_pct(acc[c['challenger']])}"
         g = c.get("dev_gain")
         gain = "—" if g is None else f"{_signed(g['gain'])} [{_signed(g['ci'][0])}, {_signed(g['ci'][1])}] ({g['level']:.0%})"
-        out.append(f"| {t} | {c['dev_items']} | {c['chosen']} | {c['best_single']} {_pct(acc[c['best_single']])} | "
+        items = c["dev_items"] if c.get("member_dev_items", c["dev_items"]) == c["dev_items"] else \
+            f"{c['dev_items']} (members {c['member_dev_items']})"
+        out.append(f"| {t} | {items} | {c['chosen']} | {c['best_single']} {_pct(acc[c['best_single']])} | "
                    f"{other} | {gain} |")
     return out
 

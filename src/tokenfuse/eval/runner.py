@@ -41,7 +41,7 @@ from pathlib import Path
 
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.methods import MethodSpec, majority_vote, mbr_select, parse_methods, plan_methods
-from tokenfuse.eval.records import append_records, item_file, read_records
+from tokenfuse.eval.records import append_records, item_file, keep_if_made_by, read_records
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks import generate_graded, prompt_form
 
@@ -59,7 +59,8 @@ class EvalSettings:
         limit: items per task (a fixed seeded subset; ``None`` = all); ``limits`` per task override it.
         mc: form of the multiple-choice tasks: ``likelihood`` (default) or ``generate``.
         max_new_tokens: per-task generation limits overriding the task's own (``{"gsm8k": 192}``).
-        dev_limit: dev items per task for the ``auto`` row's choice.
+        dev_limit: dev items per task for the ``auto`` row's choice (every row and candidate).
+        member_dev_limit: dev items the members alone are ranked on for it (never fewer than ``dev_limit``).
     """
 
     tasks: Sequence[str] = DEFAULT_TASKS
@@ -75,6 +76,7 @@ class EvalSettings:
     num_fewshot: int | None = None
     progress: bool = True
     dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form)
+    member_dev_limit: int | None = None  # auto: dev items the members alone rank on (``eval.auto.MEMBER_DEV_LIMIT``)
     auto_choices: dict[str, dict] = field(default_factory=dict)  # filled by the run: auto's choice per task
 
 
@@ -220,14 +222,18 @@ def choose_on_dev(cfg, members, union, task, table: Sequence[MethodSpec], settin
     from tokenfuse.eval import auto
 
     form = task_form(task, settings.mc)
-    dev_items = task.dev_subset(settings.dev_limit or auto.DEV_LIMITS[form], settings.seed)
+    limit = settings.dev_limit or auto.DEV_LIMITS[form]
+    dev_items = task.dev_subset(limit, settings.seed)
     if not dev_items:
         raise TokenfuseError(f"auto: task {task.name!r} has no dev items to choose on")
+    # The members alone rank on at least MEMBER_DEV_LIMIT dev items (cheap rows; the seeded order
+    # makes dev_items the first of them), every other row and candidate on dev_items.
+    member_items = task.dev_subset(max(limit, settings.member_dev_limit or auto.MEMBER_DEV_LIMIT), settings.seed)
     singles = [s for s in table if s.name.startswith("single:")]
-    dev = run_rows(cfg, members, union, task, singles, dev_items, settings, split="dev")
-    extra = auto.candidates(cfg, dev)  # they follow the members' dev accuracies; then all rows share forwards
-    dev.update(run_rows(cfg, members, union, task, [*table, *extra], dev_items, settings, split="dev"))
-    choice = auto.choose(dev)
+    ranked = run_rows(cfg, members, union, task, singles, member_items, settings, split="dev")
+    extra = auto.candidates(cfg, ranked)  # they follow the members' dev accuracies; then all rows share forwards
+    dev = run_rows(cfg, members, union, task, [*table, *extra], dev_items, settings, split="dev")
+    choice = auto.choose(dev, ranked)
     spec = next(s for s in [*table, *extra] if s.name == choice.chosen)
     config = auto.chosen_config(cfg, spec)
     info = choice.as_dict() | {"config": None}
@@ -278,6 +284,11 @@ def run_rows_batch_by_batch(cfg, members, union, task, specs: Sequence[MethodSpe
     is shown on the progress bar."""
     out = Path(settings.out)
     paths = {s.name: item_file(out, task.name, where, s.name) for s in specs}
+    for s in specs:
+        moved = keep_if_made_by(paths[s.name], {"members": list(s.members), "overrides": s.overrides})
+        if moved is not None:
+            print(f"{task.name}-{where} {s.name}: configured otherwise than its records; they were moved to "
+                  f"{moved} and the row runs again", file=sys.stderr)
     todo = {s.name: {str(it["id"]) for it in items} - set(read_records(paths[s.name])) for s in specs}
     rows = [s for s in specs if todo[s.name]]
     if not rows:
