@@ -398,7 +398,7 @@ def test_auto_chosen_config():
     assert chosen_config(cfg, MethodSpec("vote", "output", ("a", "b", "c"))) is None
     text = config_text(gated, Choice("auto:gated@0.3", "single:b", "auto:gated@0.3", None, {"single:b": 0.8}, 10, 40),
                        task="arc_easy")
-    assert text.startswith("# Chosen by `tokenfuse eval`'s auto row on arc_easy") and "#   single:b: 80.0" in text
+    assert text.startswith("# Chosen by `tokenfuse eval`'s auto row on arc_easy") and "#   single:b: 80.0 (on the members' 40)" in text
     assert [m.name for m in parse_config(yaml.safe_load(text)).members] == ["a", "b", "c"]
 
 

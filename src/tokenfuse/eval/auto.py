@@ -150,5 +150,8 @@ def config_text(config, choice: Choice, *, task: str) -> str:
 
     head = [f"# Chosen by `tokenfuse eval`'s auto row on {task}: {choice.chosen}, on {choice.n} dev items "
             f"({choice.member_n} for the members alone; never the test items).", "# dev accuracy of every candidate:"]
-    head += [f"#   {name}: {100 * acc:.1f}" for name, acc in sorted(choice.dev_acc.items(), key=lambda t: -t[1])]
+    def items(name: str) -> str:  # a member alone's accuracy is on its own (more) dev items
+        return f" (on the members' {choice.member_n})" if name.startswith("single:") and choice.member_n != choice.n else ""
+
+    head += [f"#   {name}: {100 * acc:.1f}{items(name)}" for name, acc in sorted(choice.dev_acc.items(), key=lambda t: -t[1])]
     return "\n".join(head) + "\n" + config_yaml(config)
