@@ -38,6 +38,11 @@ def pack(task: str, out: Path, dest: Path, form: str, strip: list[str]) -> tuple
     count = 0
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        def add(path: Path, data: bytes) -> None:
+            info = tarfile.TarInfo(f"items/{path.parent.name}/{path.name}")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+
         for d in dirs:
             for path in sorted(d.glob("*.jsonl")):
                 lines = []
@@ -45,16 +50,10 @@ def pack(task: str, out: Path, dest: Path, form: str, strip: list[str]) -> tuple
                     for field in strip:
                         rec.pop(field, None)
                     lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
-                data = "".join(lines).encode("utf-8")
-                info = tarfile.TarInfo(f"items/{d.name}/{path.name}")
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
+                add(path, "".join(lines).encode("utf-8"))
                 count += len(lines)
             for path in sorted(d.glob("*.spec.json")):  # the configuration that made each row's records
-                data = path.read_bytes()
-                info = tarfile.TarInfo(f"items/{d.name}/{path.name}")
-                info.size, info.mode = len(data), 0o644
-                tar.addfile(info, io.BytesIO(data))
+                add(path, path.read_bytes())
     with target.open("wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
         gz.write(buf.getvalue())
     return target, count
