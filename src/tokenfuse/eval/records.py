@@ -58,14 +58,16 @@ def keep_if_made_by(path: Path, spec: dict) -> Path | None:
     """Keep the records at ``path`` only if ``spec`` (JSON-able: the row's members and overrides)
     made them; otherwise move them aside (returns where to; nothing is deleted). Writes ``spec``
     beside the records, so the next run checks against it."""
-    spec = json.loads(json.dumps(spec, sort_keys=True))  # the form it has when read back
+    text = json.dumps(spec, sort_keys=True) + "\n"  # one canonical form: compared as text
     side = path.with_name(path.stem + ".spec.json")
+    if side.is_file() and side.read_text(encoding="utf-8") == text:
+        return None
     moved = None
-    if side.is_file() and path.is_file() and json.loads(side.read_text(encoding="utf-8")) != spec:
+    if side.is_file() and path.is_file():
         k = 1
         while path.with_name(f"{path.name}.stale{k}").exists():
             k += 1
         moved = path.rename(path.with_name(f"{path.name}.stale{k}"))
     side.parent.mkdir(parents=True, exist_ok=True)
-    side.write_text(json.dumps(spec, sort_keys=True) + "\n", encoding="utf-8")
+    side.write_text(text, encoding="utf-8")
     return moved
