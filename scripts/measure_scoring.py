@@ -36,7 +36,7 @@ def main() -> None:
         for method in a.methods.split(","):
             kw = {"gate": members[0].name, "threshold": 0.5} if method == "gac-threshold" else {}
             ens = Ensemble(members, method="gac" if method == "gac-threshold" else method,
-                           method_params={"k": 10} if method == "unite" else None, primary=members[0].name, **kw)
+                           params={"k": 10} if method == "unite" else None, primary=members[0].name, **kw)
             res, secs = {}, {}
             for stepwise in (False, True):
                 t = time.perf_counter()

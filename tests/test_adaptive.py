@@ -1,4 +1,4 @@
-"""Adaptive combination (``combiners.base.AdaptiveParams``): selective ensembling (SAFE-style), per-step
+"""Adaptive combination (the step decision's strategies, ``tokenfuse.engine.strategies``): selective ensembling (SAFE-style), per-step
 confidence weights, per-prompt PackLLM weights — in generation and in likelihood scoring."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from tokenfuse.combiners import StepView, get_combiner
 from tokenfuse.combiners.base import weighted_average
-from tokenfuse.engine import Ensemble, Sampling
-from tokenfuse.engine.decide import PROMPT_CHUNK, prompt_logprob_per_byte
+from tokenfuse.engine import Ensemble, EnsembleOptions, Sampling
+from tokenfuse.engine.strategies.prompt import PROMPT_CHUNK, prompt_logprob_per_byte
+from tokenfuse.engine.strategies.confidence import Confidence
+from tokenfuse.engine.strategies.select import Select
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.errors import ConfigError
 
@@ -28,27 +30,27 @@ def trio(members):
 
 
 def run(members, **params):
-    return Ensemble(members, method_params=params, primary="B").generate(PROMPT, max_new_tokens=10)
+    return Ensemble(members, params=params, primary="B").generate(PROMPT, max_new_tokens=10)
 
 
 # ---------------------------------------------------------------------------------------- parameters
 def test_parameters_are_declared_and_checked():
-    assert get_combiner("gac", select=0.5, confidence="entropy", sharpness=2, prompt_weights=0.1).adaptive.select == 0.5
-    assert get_combiner("unite", k=3, select=1).adaptive.select == 1.0
+    assert EnsembleOptions(params=dict(select=0.5, confidence="entropy", sharpness=2, prompt_weights=0.1)).params["select"] == 0.5
+    assert EnsembleOptions(method="unite", params=dict(k=3, select=1)).params["select"] == 1.0
     for params, msg in (({"select": 1.5}, "params.select: gac: Input should be less than or equal to 1"),
                         ({"confidence": "max"}, "params.confidence: gac: Input should be 'none', 'top' or 'entropy'"),
                         ({"sharpness": -1}, "params.sharpness: gac: Input should be greater than or equal to 0"),
                         ({"prompt_weights": 0}, "params.prompt_weights: gac: Input should be greater than 0")):
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-            get_combiner("gac", **params)
+            Ensemble([], params=params)
     with pytest.raises(ConfigError, match="params.select: deepen: unexpected keyword argument 'select'"):
-        get_combiner("deepen", select=0.5)
-    assert get_combiner("deepen").adaptive is None
+        Ensemble([], method="deepen", params={"select": 0.5})
+    assert not get_combiner("deepen").adaptive
 
 
 def test_select_and_a_gate_exclude_each_other(trio):
     with pytest.raises(ConfigError, match="params.select: selective ensembling gates on the primary member"):
-        Ensemble(trio, method_params={"select": 0.5}, gate="A", threshold=0.5)
+        Ensemble(trio, params={"select": 0.5}, gate="A", threshold=0.5)
 
 
 # ---------------------------------------------------------------------------------------- selective
@@ -62,7 +64,7 @@ def test_select_0_is_the_primary_alone(trio):
     sampling = Sampling(temperature=0.9, seed=7)
     gated = Ensemble(trio, gate="B", threshold=0.0, primary="B").generate(PROMPT, max_new_tokens=10,
                                                                            sampling=sampling)
-    g = Ensemble(trio, method_params={"select": 0.0}, primary="B").generate(PROMPT, max_new_tokens=10,
+    g = Ensemble(trio, params={"select": 0.0}, primary="B").generate(PROMPT, max_new_tokens=10,
                                                                             sampling=sampling)
     assert (g.text, g.ensembled_steps) == (gated.text, 0)
 
@@ -70,7 +72,7 @@ def test_select_0_is_the_primary_alone(trio):
 @pytest.mark.parametrize("method", ["gac", "unite"])
 def test_select_1_without_the_boundary_rule_is_plain_combination(trio, method):
     plain = Ensemble(trio, method=method, primary="B").generate(PROMPT, max_new_tokens=10)
-    g = Ensemble(trio, method=method, primary="B", method_params={"select": 1.0, "select_boundary": False}).generate(
+    g = Ensemble(trio, method=method, primary="B", params={"select": 1.0, "select_boundary": False}).generate(
         PROMPT, max_new_tokens=10)
     assert (g.text, g.ensembled_steps, g.skipped_steps, g.vetoed_steps) == (plain.text, plain.ensembled_steps,
                                                                           plain.skipped_steps, 0)
@@ -88,7 +90,7 @@ def _outs(ens, tops: list[list[int]]) -> dict[int, MemberOutput]:
 
 
 def test_the_boundary_rule_keeps_a_word_a_member_holds_as_one_token(trio):
-    ens = Ensemble(trio, method_params={"select": 0.5}, primary="B")
+    ens = Ensemble(trio, params={"select": 0.5}, primary="B")
     space = ens.space
 
     def tid(i, text):  # member i's single token for ``text``
@@ -105,9 +107,11 @@ def test_the_boundary_rule_keeps_a_word_a_member_holds_as_one_token(trio):
             [tid(1, " cat"), tid(1, " cat"), tid(1, " the")],
             [tid(2, " the"), tid(2, " the"), tid(2, " the")]]
     chosen = {0: entry(" the"), 1: entry(" then"), 2: entry(" the")}
-    got = ens.decider.word_boundary(seqs, [0, 1, 2], _outs(ens, tops), dict(chosen))
+    (select,) = [st_ for st_ in ens.decider.strategies if isinstance(st_, Select)]
+    got = dict(chosen)
+    vetoed = select.revise(seqs, [0, 1, 2], _outs(ens, tops), got)
     assert got == {0: entry(" cat"), 1: entry(" then"), 2: entry(" the")}  # row 0: the primary's piece
-    assert [s.vetoed for s in seqs] == [1, 0, 0]
+    assert [int(r in vetoed) for r in range(3)] == [1, 0, 0]
     for s in seqs:
         ens.close(s)
 
@@ -119,7 +123,7 @@ def test_select_gates_on_the_primary_confidence(trio):
     top = float(ens.decider.forward([1], [s])[1].top_logprob().exp()[0])
     ens.close(s)
     for t, gated in ((top * 0.99, True), (min(1.0, top * 1.01), False)):
-        g = Ensemble(trio, primary="B", method_params={"select": t}).generate(PROMPT, max_new_tokens=3, trace=True)
+        g = Ensemble(trio, primary="B", params={"select": t}).generate(PROMPT, max_new_tokens=3, trace=True)
         assert (g.trace[0].gated, g.trace[0].ensembled) == (gated, not gated)
 
 
@@ -131,6 +135,12 @@ def _view(logprobs: list[np.ndarray], weights: list[float]) -> StepView:
                     logprobs={i: torch.log_softmax(torch.from_numpy(lp), -1) for i, lp in enumerate(logprobs)})
 
 
+def _confidence_weights(view: StepView, method: str = "gac", **params) -> list:
+    """The combiner's weights of ``view`` with the confidence strategy's factors on it."""
+    view.log_factors = Confidence(EnsembleOptions(method=method, params=params)).factors(view, None)
+    return get_combiner(method).weights(view)
+
+
 logits = st.lists(st.floats(-8, 8), min_size=4, max_size=4)
 
 
@@ -140,7 +150,7 @@ logits = st.lists(st.floats(-8, 8), min_size=4, max_size=4)
 def test_confidence_weights_are_the_formula(a, b, kind, beta, w):
     la, lb = np.array(a, dtype=np.float32), np.array(b, dtype=np.float32)
     view = _view([la, lb], [1.0, w])
-    got = get_combiner("gac", confidence=kind, sharpness=beta).weights(view)
+    got = _confidence_weights(view, confidence=kind, sharpness=beta)
     expect = []
     for x, wi in ((la, 1.0), (lb, w)):
         lp = torch.log_softmax(torch.from_numpy(x), -1).double().numpy()  # the view's float32 log-probabilities
@@ -163,10 +173,10 @@ def test_confidence_top_k_entropy_is_over_the_renormalised_top_k():
     view = StepView(space=None, models=[], states={0: [None], 1: [None]}, members=[0, 1], weights=[1.0, 1.0],
                     topk={0: (lp, torch.tensor([[3, 4]])), 1: (torch.log(torch.tensor([[0.2, 0.2]])),
                                                           torch.tensor([[1, 2]]))})
-    (_, w0), (_, w1) = get_combiner("unite", confidence="entropy").weights(view)
+    (_, w0), (_, w1) = _confidence_weights(view, "unite", confidence="entropy")
     h0 = -(0.625 * math.log(0.625) + 0.375 * math.log(0.375))  # 0.5, 0.3 renormalised
     assert (float(w0[0]), float(w1[0])) == (1.0, pytest.approx(math.exp(h0 - math.log(2))))
-    (_, t0), (_, t1) = get_combiner("unite", confidence="top").weights(view)
+    (_, t0), (_, t1) = _confidence_weights(view, "unite", confidence="top")
     assert (float(t0[0]), float(t1[0])) == (1.0, pytest.approx(0.4))  # raw top probabilities 0.5 and 0.2
 
 
@@ -174,7 +184,7 @@ def test_confidence_top_k_entropy_is_over_the_renormalised_top_k():
 def test_confidence_keeps_agreement_skip_exact(trio, kind):
     """Per-row weights are positive, so where every member ranks a piece first the average does too."""
     with_skip = run(trio, confidence=kind)
-    ens = Ensemble(trio, method_params={"confidence": kind}, primary="B", agreement_skip=False)
+    ens = Ensemble(trio, params={"confidence": kind}, primary="B", agreement_skip=False)
     assert ens.generate(PROMPT, max_new_tokens=10).text == with_skip.text
 
 
@@ -182,7 +192,7 @@ def test_confidence_on_copies_of_one_member_is_that_member(make_tiny, one_thread
     """Copies have the same confidence on every step: equal weights, the member's own output and likelihood."""
     a, a2 = make_tiny("gemma3", seed=5, name="g"), make_tiny("gemma3", seed=5, name="g#2")
     alone = Ensemble.single(a)
-    ens = Ensemble([a, a2], method_params={"confidence": "entropy", "sharpness": 3})
+    ens = Ensemble([a, a2], params={"confidence": "entropy", "sharpness": 3})
     assert ens.generate(PROMPT, max_new_tokens=8).text == alone.generate(PROMPT, max_new_tokens=8).text
     req = [("The weather today is", " sunny and warm")]
     for stepwise in (False, True):
@@ -192,7 +202,7 @@ def test_confidence_on_copies_of_one_member_is_that_member(make_tiny, one_thread
 
 @pytest.mark.parametrize("method", ["gac", "unite"])
 def test_confidence_scoring_one_forward_equals_stepwise(trio, method):
-    ens = Ensemble(trio, method=method, method_params={"confidence": "top", "sharpness": 2}, primary="B")
+    ens = Ensemble(trio, method=method, params={"confidence": "top", "sharpness": 2}, primary="B")
     plain = Ensemble(trio, method=method, primary="B")
     req = [("Question: what is hot?\nAnswer:", " fire"), ("Question: what is cold?\nAnswer:", " snow and ice")]
     one, step = ens.loglikelihood(req), ens.loglikelihood(req, stepwise=True)
@@ -231,25 +241,25 @@ def test_prompt_logprob_per_byte_is_the_prefill(make_tiny, one_thread, last_byte
 
 
 def test_prompt_weights_reach_the_view(trio):
-    ens = Ensemble(trio, method_params={"prompt_weights": 0.25}, primary="B")
+    ens = Ensemble(trio, params={"prompt_weights": 0.25}, primary="B")
     seqs = [ens.open(PROMPT), ens.open("def main():\n    return 1")]
     outs = ens.decider.forward([0, 1, 2], seqs)
     view = ens.decider.view(seqs, [0, 1, 2], outs)
     for i in range(3):
         expect = [prompt_logprob_per_byte(trio[i], trio[i].new_state(s.states[i].prompt_ids)) / 0.25 for s in seqs]
         assert view.log_factors[i].tolist() == pytest.approx(expect, abs=1e-5)
-        assert [s.prompt_scores[i] for s in seqs] == pytest.approx([x * 0.25 for x in expect], abs=1e-6)
+        assert [s.notes["prompt_weights"][i] for s in seqs] == pytest.approx([x * 0.25 for x in expect], abs=1e-6)
     for s in seqs:
         ens.close(s)
 
 
 def test_prompt_weights_at_a_small_temperature_are_the_best_prompt_member(trio):
     """τ → 0 gives the member that predicts the prompt best all the weight (here A, SmolLM2)."""
-    ens = Ensemble(trio, method_params={"prompt_weights": 1e-4}, primary="B")
+    ens = Ensemble(trio, params={"prompt_weights": 1e-4}, primary="B")
     s = ens.open(PROMPT, max_new_tokens=10)
     while s.finished is None:
         ens.step([s])
-    best = max(s.prompt_scores, key=s.prompt_scores.get)
+    best = max(s.notes["prompt_weights"], key=s.notes["prompt_weights"].get)
     ens.close(s)
     assert best == 0
     assert s.result().text == Ensemble.single(trio[0]).generate(PROMPT, max_new_tokens=10).text
@@ -258,7 +268,7 @@ def test_prompt_weights_at_a_small_temperature_are_the_best_prompt_member(trio):
 
 @pytest.mark.parametrize("stepwise", [False, True])
 def test_prompt_weights_in_scoring(trio, make_tiny, stepwise):
-    ens = Ensemble(trio, method_params={"prompt_weights": 1e-4}, primary="B")
+    ens = Ensemble(trio, params={"prompt_weights": 1e-4}, primary="B")
     req = [("The weather today is", " sunny and warm")]
     # τ → 0: A (the best at predicting this prompt) alone scores the pieces of the primary's segmentation,
     # as an ensemble where B and C have weight 0 does
@@ -270,7 +280,7 @@ def test_prompt_weights_in_scoring(trio, make_tiny, stepwise):
 
 
 def test_prompt_weights_one_forward_equals_stepwise(trio):
-    ens = Ensemble(trio, method_params={"prompt_weights": 0.25}, primary="B")
+    ens = Ensemble(trio, params={"prompt_weights": 0.25}, primary="B")
     plain = Ensemble(trio, primary="B")
     req = [("Question: what is hot?\nAnswer:", " fire"), ("def main():\n", "    return 1")]
     one, step = ens.loglikelihood(req), ens.loglikelihood(req, stepwise=True)

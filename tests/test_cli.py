@@ -35,9 +35,7 @@ def fake_load(monkeypatch, tiny_members, align_cache):
         members = [tiny_members[m.name] for m in cfg.members]
         for m, c in zip(members, cfg.members):
             m.weight = c.weight
-        return Ensemble(members, method=cfg.method, method_params=cfg.params, gate=cfg.gate,
-                        threshold=cfg.threshold, window=cfg.window, align_cache=align_cache,
-                        speculative=cfg.speculative.model_dump() if cfg.speculative is not None else None)
+        return Ensemble(members, cfg.options, align_cache=align_cache)
 
     monkeypatch.setattr(tokenfuse.load, "load_ensemble", load_ensemble)
     return seen

@@ -252,7 +252,7 @@ def generates(monkeypatch, tiny, align_cache):
         members = [tiny[m.name] for m in cfg.members]
         for m, c in zip(members, cfg.members):
             m.weight = c.weight
-        return Ensemble(members, method=cfg.method, method_params=cfg.params, gate=cfg.gate, threshold=cfg.threshold,
+        return Ensemble(members, method=cfg.method, params=cfg.params, gate=cfg.gate, threshold=cfg.threshold,
                         window=cfg.window, align_cache=align_cache)
 
     monkeypatch.setattr(tokenfuse.load, "load_ensemble", load_ensemble)

@@ -49,7 +49,7 @@ def test_single_member_likelihood_is_its_own(make_tiny, one_thread, family):
 def test_self_ensemble_gives_the_single_models_likelihood(make_tiny, one_thread, method):
     a, b = make_tiny("gemma3", seed=5, name="a"), make_tiny("gemma3", seed=5, name="b")
     alone = Ensemble([a]).loglikelihood([(CONTEXT, c) for c in CONTS])
-    both = Ensemble([a, b], method=method, method_params={"k": 5} if method == "unite" else None)
+    both = Ensemble([a, b], method=method, params={"k": 5} if method == "unite" else None)
     pair = both.loglikelihood([(CONTEXT, c) for c in CONTS])
     for x, y in zip(alone, pair):
         if method == "gac":
@@ -101,7 +101,7 @@ def _ensemble(ms, method: str, **kw):
     params = {"unite": {"k": 5}}.get(method)
     if method == "gac-gated":
         return Ensemble(ms, primary=ms[1].name, gate=ms[1].name, threshold=0.05, **kw)
-    return Ensemble(ms, method=method, method_params=params, primary=ms[1].name, **kw)
+    return Ensemble(ms, method=method, params=params, primary=ms[1].name, **kw)
 
 
 @pytest.mark.parametrize("method", ["gac", "unite", "deepen", "gac-gated"])

@@ -441,7 +441,7 @@ def test_rows_sharing_a_memo_give_the_numbers_each_gives_alone(llamacpp_members)
     ms = [llamacpp_members[f] for f in ("smollm2", "gemma3", "qwen")]
     rows = [Ensemble.single(ms[0]), Ensemble(ms), Ensemble(ms, method="unite"),
             Ensemble(ms, gate=ms[0].name, threshold=0.5), Ensemble.single(ms[2]),
-            Ensemble(ms, method_params={"prompt_weights": 0.1})]
+            Ensemble(ms, params={"prompt_weights": 0.1})]
     requests = [("Question: Which is a liquid?\nAnswer:", c) for c in (" water", " a rock that melts", " wood")]
     alone = [ens.loglikelihood(requests) for ens in rows]
     memo = RowMemo()
@@ -461,7 +461,7 @@ def test_speculative_decoding_stays_in_sync_and_matches_plain_here(llamacpp_memb
     members = list(llamacpp_members.values())
     plain = Ensemble(members, method=method)
     spec = Ensemble(members, method=method, speculative={"k": 4})
-    assert spec.members[spec.speculator.options.draft].name == "smollm2"  # the smallest GGUF file
+    assert spec.describe()["speculative"]["draft"] == "smollm2"  # the smallest GGUF file
     for prompt in PROMPTS:
         a, b = plain.generate(prompt, max_new_tokens=N), spec.generate(prompt, max_new_tokens=N)
         assert b.output == a.output

@@ -148,7 +148,7 @@ def test_seeded_sampling(client, ens):
 
 
 def test_tokenfuse_options(client, members, align_cache):
-    unite = Ensemble(members, method="unite", method_params={"k": 5}, align_cache=align_cache)
+    unite = Ensemble(members, method="unite", params={"k": 5}, align_cache=align_cache)
     g = unite.generate(PROMPTS[4], max_new_tokens=10)
     r = client.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 10,
                                              "tokenfuse": {"method": "unite", "params": {"k": 5}}})

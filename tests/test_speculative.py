@@ -20,8 +20,8 @@ VARIANTS = {
     "gac": {},
     "unite": {"method": "unite"},
     "gated": {"gate": "A", "threshold": 0.5},
-    "select": {"method_params": {"select": 0.4}},
-    "conf": {"method_params": {"confidence": "entropy"}},
+    "select": {"params": {"select": 0.4}},
+    "conf": {"params": {"confidence": "entropy"}},
 }
 
 
@@ -103,8 +103,8 @@ def test_sampling_and_traced_sequences_are_decoded_plainly(members, align_cache,
 def test_the_default_drafter_is_the_smallest_member(members, align_cache):
     spec = Ensemble(members, align_cache=align_cache, speculative={})
     sizes = [m.weight_bytes for m in members]
-    assert spec.speculator.options.draft == sizes.index(min(sizes))
-    assert spec.speculator.options.k == 4
+    assert spec.speculator.draft == sizes.index(min(sizes))
+    assert spec.describe()["speculative"]["k"] == 4
 
 
 def test_bad_speculative_options_name_the_field(members, align_cache):

@@ -36,7 +36,7 @@ def check_concatenates(g) -> None:
 
 
 @pytest.mark.parametrize("options", [
-    {}, {"method": "unite", "method_params": {"k": 4}}, {"gate": "A", "threshold": 0.02},
+    {}, {"method": "unite", "params": {"k": 4}}, {"gate": "A", "threshold": 0.02},
     {"agreement_skip": False},
 ])
 def test_trace_leaves_the_output_alone_and_concatenates(members, align_cache, options):
@@ -124,7 +124,7 @@ def test_gated_steps_show_the_gate_alone(members, align_cache):
 
 
 def test_unite_trace_shows_members_beyond_the_combiner_k(members, align_cache):
-    ens = Ensemble(members, method="unite", method_params={"k": 2}, align_cache=align_cache)
+    ens = Ensemble(members, method="unite", params={"k": 2}, align_cache=align_cache)
     plain = ens.generate(PROMPTS[0], max_new_tokens=8)
     g = ens.generate(PROMPTS[0], max_new_tokens=8, trace=True, trace_k=6)
     same_generation(plain, g)  # the members' wider top-k reaches the trace, not the combiner

@@ -68,7 +68,7 @@ def test_missing_token_gets_first_subtoken_probability(fixed, codecs, align_cach
     assert [smol.token_bytes[i] for i in smol.encode_bytes(b" Aberdeen")] == [b" Aber", b"deen"]
     qwen = fixed("qwen", {b" Aberdeen": 0.6, b" London": 0.4})
     small = fixed("smollm2", {b" London": 0.5, b" Aber": 0.3, b" Paris": 0.2})
-    ens = Ensemble([qwen, small], method="unite", method_params={"k": 2}, align_cache=align_cache)
+    ens = Ensemble([qwen, small], method="unite", params={"k": 2}, align_cache=align_cache)
     q = one_step(ens)
     # candidates: top-2 of each = {" Aberdeen", " London"} | {" London", " Aber"}
     assert set(q) == {b" Aberdeen", b" London", b" Aber"}
@@ -87,7 +87,7 @@ def test_first_subtoken_keeps_the_leading_space(codecs, fixed, align_cache):
     first = gemma.token_bytes[gemma.encode_bytes(b" Absol")[0]]
     assert first == b" Abs"
     ens = Ensemble([fixed("smollm2", {b" Absol": 1.0}), fixed("gemma3", {b" Abs": 0.25, b" the": 0.75})],
-                   method="unite", method_params={"k": 2}, align_cache=align_cache)
+                   method="unite", params={"k": 2}, align_cache=align_cache)
     q = one_step(ens)
     # SmolLM2: all mass on " Absol"; it holds " Abs" and " the" with no mass. Gemma: " Absol" -> " Abs".
     gem = {b" Absol": 0.25 / 1.25, b" Abs": 0.25 / 1.25, b" the": 0.75 / 1.25}
@@ -97,7 +97,7 @@ def test_first_subtoken_keeps_the_leading_space(codecs, fixed, align_cache):
 def test_each_member_is_renormalised_over_the_candidates(fixed, align_cache):
     a = fixed("qwen", {b" a": 0.5, b" b": 0.3, b" c": 0.2})
     b = fixed("smollm2", {b" b": 0.9, b" d": 0.1})
-    ens = Ensemble([a, b], method="unite", method_params={"k": 2}, align_cache=align_cache)
+    ens = Ensemble([a, b], method="unite", params={"k": 2}, align_cache=align_cache)
     seq = ens.open("x")
     view = ens.decider.view([seq], [0, 1], ens.decider.forward([0, 1], [seq]))
     cands = ens.combiner.candidates(view)
@@ -113,8 +113,8 @@ def test_each_member_is_renormalised_over_the_candidates(fixed, align_cache):
 def test_candidate_order_is_independent_of_member_order(fixed, align_cache):
     a = fixed("qwen", {b" cat": 0.7, b" dog": 0.3})
     b = fixed("gemma3", {b" dog": 0.6, b" cow": 0.4})
-    one = one_step(Ensemble([a, b], method="unite", method_params={"k": 2}, align_cache=align_cache))
-    two = one_step(Ensemble([b, a], method="unite", method_params={"k": 2}, align_cache=align_cache))
+    one = one_step(Ensemble([a, b], method="unite", params={"k": 2}, align_cache=align_cache))
+    two = one_step(Ensemble([b, a], method="unite", params={"k": 2}, align_cache=align_cache))
     assert list(one) == list(two) == sorted(one)
     assert one == pytest.approx(two)
 
@@ -122,11 +122,11 @@ def test_candidate_order_is_independent_of_member_order(fixed, align_cache):
 def test_weights_behave_as_in_gac(fixed, align_cache):
     a = fixed("qwen", {b" cat": 0.7, b" dog": 0.3}, weight=3.0)
     b = fixed("gemma3", {b" dog": 0.6, b" cat": 0.4}, weight=1.0)
-    q = one_step(Ensemble([a, b], method="unite", method_params={"k": 2}, align_cache=align_cache))
+    q = one_step(Ensemble([a, b], method="unite", params={"k": 2}, align_cache=align_cache))
     assert q[b" cat"] == pytest.approx((3 * 0.7 + 0.4) / 4)
     assert q[b" dog"] == pytest.approx((3 * 0.3 + 0.6) / 4)
     b.weight = 0.0
-    q = one_step(Ensemble([a, b], method="unite", method_params={"k": 2}, align_cache=align_cache))
+    q = one_step(Ensemble([a, b], method="unite", params={"k": 2}, align_cache=align_cache))
     assert q == pytest.approx({b" cat": 0.7, b" dog": 0.3})
 
 
@@ -230,7 +230,7 @@ def test_deepen_self_ensemble_keeps_the_members_greedy_choice(make_tiny, one_thr
     a, b = make_tiny("qwen", seed=4, name="a"), make_tiny("qwen", seed=4, name="b")
     alone = Ensemble([a]).generate("The weather today", max_new_tokens=6)
     ens = Ensemble([a, b], method="deepen", align_cache=tmp_path)
-    assert ens.agreement_skip is None and not ens.combiner.exact_agreement
+    assert ens.options.agreement_skip is None and not ens.combiner.exact_agreement
     both = ens.generate("The weather today", max_new_tokens=6)
     assert both.output == alone.output
     assert both.skipped_steps == 0  # agreement skip is off for deepen by default
@@ -239,11 +239,11 @@ def test_deepen_self_ensemble_keeps_the_members_greedy_choice(make_tiny, one_thr
 def test_deepen_params_are_validated(make_tiny, tmp_path):
     a, b = make_tiny("qwen", seed=4, name="a"), make_tiny("gemma3", seed=4, name="b")
     with pytest.raises(ConfigError, match="params.main"):
-        Ensemble([a, b], method="deepen", method_params={"main": "zz"}, align_cache=tmp_path)
+        Ensemble([a, b], method="deepen", params={"main": "zz"}, align_cache=tmp_path)
     with pytest.raises(ConfigError, match="unexpected keyword"):
-        Ensemble([a, b], method="deepen", method_params={"stepz": 3}, align_cache=tmp_path)
+        Ensemble([a, b], method="deepen", params={"stepz": 3}, align_cache=tmp_path)
     with pytest.raises(ConfigError, match="accuracies"):
-        Ensemble([a, b], method="deepen", method_params={"accuracies": {"a": 0.5}}, align_cache=tmp_path)
-    ens = Ensemble([a, b], method="deepen", method_params={"accuracies": {"a": 0.75, "b": 0.5}, "n_choices": 4},
+        Ensemble([a, b], method="deepen", params={"accuracies": {"a": 0.5}}, align_cache=tmp_path)
+    ens = Ensemble([a, b], method="deepen", params={"accuracies": {"a": 0.75, "b": 0.5}, "n_choices": 4},
                    align_cache=tmp_path)
     assert ens.combiner.alpha == pytest.approx({"a": 0.5 / 0.75, "b": 0.25 / 0.75})

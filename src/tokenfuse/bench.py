@@ -188,13 +188,15 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
                          "ens": Ensemble.single(m, align_cache=align)})
         if len(members) > 1 and not (quick and backend != backends[0]):
             every_step = bcfg.with_overrides(gate=None, threshold=None, agreement_skip=None, origin="bench")
+            base = ensemble_from_members(every_step, members)  # every row is a variant of it (one union)
 
             def add(name: str, *, parallel: bool = True, trace: bool = False, **options) -> None:
                 """A row: the config with ``options`` (``EnsembleConfig.with_overrides``) on the loaded
-                members; ``trace``: its generations record the step trace (what it costs when on)."""
+                members (``Ensemble.variant``); ``trace``: its generations record the step trace (what
+                it costs when on)."""
                 variant = every_step.with_overrides(**options, origin=f"bench row {name}")
-                variant = variant.model_copy(update={"parallel": parallel})  # gac-sequential: one after another
-                rows.append({"name": f"{backend}:{name}", "backend": backend, "ens": ensemble_from_members(variant, members),
+                ens = base.variant(variant.options.replace(parallel=parallel))  # gac-sequential: one after another
+                rows.append({"name": f"{backend}:{name}", "backend": backend, "ens": ens,
                              "trace": TraceOptions() if trace else None})
 
             for method in methods:
@@ -219,34 +221,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
                     r["rss"] = _rss_mb()
                     bar.update(1)
 
-    table = []
-    for r in rows:
-        s, ens = r["samples"], r["ens"]
-        ms = [x["ms"] for x in s]
-        steps = sum(x["steps"] for x in s)
-        stage = {k: round(statistics.median(x[k] for x in s), 3) for k in STAGE_KEYS}
-        outside = sum(stage[k] for k in STAGE_KEYS if k != "forward")
-        table.append({
-            "name": r["name"],
-            "members": [m.name for m in ens.members],
-            "backend": r["backend"],
-            "parallel": ens.parallel,
-            "gate": ens.members[ens.gate].name if ens.gate is not None else None,
-            "threshold": ens.threshold,
-            "trace": r.get("trace") is not None,
-            "ms_per_token": round(statistics.median(ms), 2),
-            "ms_per_token_p90": round(_p90(ms), 2),
-            "tokens_per_s": round(1000 / statistics.median(ms), 2),
-            "stage_ms": stage,
-            "outside_forward_share": round(outside / max(stage["forward"], 1e-9), 4),
-            "ensembled_share": round(sum(x["ens"] for x in s) / max(steps, 1), 4),
-            "skip_share": round(sum(x["skip"] for x in s) / max(sum(x["ens"] for x in s), 1), 4),
-            "method": ens.combiner.name,
-            "agreement_skip": ens.agreement_skip,
-            "steps": steps,
-            "peak_rss_mb": round(r["rss"], 1),
-            **_speculative_figures(ens, s),
-        })
+    table = [_table_row(r) for r in rows]
     _add_floors(table)
     _add_identical(table, rows)
     result = {"rows": table, "loads": loads, "tokenizers": tokenizers, "union": union_times,
@@ -261,12 +236,44 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     return result
 
 
+def _table_row(r: dict) -> dict:
+    """One row of the bench table: what the ensemble is (``Ensemble.describe``) and its figures."""
+    s, ens = r["samples"], r["ens"]
+    desc = ens.describe()
+    ms = [x["ms"] for x in s]
+    steps = sum(x["steps"] for x in s)
+    stage = {k: round(statistics.median(x[k] for x in s), 3) for k in STAGE_KEYS}
+    outside = sum(stage[k] for k in STAGE_KEYS if k != "forward")
+    return {
+        "name": r["name"],
+        "members": [m.name for m in ens.members],
+        "backend": r["backend"],
+        "parallel": desc["parallel"],
+        "gate": desc["gate"],
+        "threshold": desc["threshold"],
+        "trace": r.get("trace") is not None,
+        "ms_per_token": round(statistics.median(ms), 2),
+        "ms_per_token_p90": round(_p90(ms), 2),
+        "tokens_per_s": round(1000 / statistics.median(ms), 2),
+        "stage_ms": stage,
+        "outside_forward_share": round(outside / max(stage["forward"], 1e-9), 4),
+        "ensembled_share": round(sum(x["ens"] for x in s) / max(steps, 1), 4),
+        "skip_share": round(sum(x["skip"] for x in s) / max(sum(x["ens"] for x in s), 1), 4),
+        "method": desc["method"],
+        "agreement_skip": desc["agreement_skip"],
+        "steps": steps,
+        "peak_rss_mb": round(r["rss"], 1),
+        **_speculative_figures(ens, s),
+    }
+
+
 def _speculative_figures(ens: Ensemble, samples: list[dict]) -> dict:
     """A speculative row's drafter, pieces drafted and the share of them the ensemble chose."""
-    if ens.speculator is None:
+    spec = ens.describe()["speculative"]
+    if spec is None:
         return {}
     drafted = sum(x["drafted"] for x in samples)
-    return {"draft": ens.members[ens.speculator.options.draft].name, "draft_k": ens.speculator.options.k,
+    return {"draft": spec["draft"], "draft_k": spec["k"],
             "drafted": drafted, "acceptance": round(sum(x["accepted"] for x in samples) / max(drafted, 1), 4)}
 
 

@@ -250,6 +250,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(g.text)
         return 0
     per_token = {k: round(1000 * v / max(g.steps, 1), 3) for k, v in g.timings.items()}
+    desc = ens.describe()  # what the ensemble is; the run's own figures beside it
+    members = [{**d, "load_s": round(m.load_seconds, 3)} for d, m in zip(desc.pop("members"), ens.members)]
+    spec = desc.pop("speculative")
     print(json.dumps({
         "text": g.text,
         "steps": g.steps,
@@ -259,15 +262,10 @@ def _generate(args: argparse.Namespace) -> int:
         "vetoed_steps": g.vetoed_steps,
         "skip_share": round(g.skipped_steps / max(g.ensembled_steps, 1), 4),
         "finish_reason": g.finish_reason,
-        "members": [{"name": m.name, "weight": m.weight, "load_s": round(m.load_seconds, 3)} for m in ens.members],
-        "method": cfg.method,
-        "params": cfg.params,
-        "primary": cfg.primary_name,
-        "agreement_skip": "auto" if ens.agreement_skip is None else ens.agreement_skip,
-        "gate": cfg.gate,
-        "threshold": cfg.threshold,
-        **({"speculative": {"draft": ens.members[ens.speculator.options.draft].name, "drafted": g.drafted,
-                            "accepted": g.accepted}} if ens.speculator is not None else {}),
+        "members": members,
+        **desc,
+        "agreement_skip": "auto" if desc["agreement_skip"] is None else desc["agreement_skip"],
+        **({"speculative": {**spec, "drafted": g.drafted, "accepted": g.accepted}} if spec is not None else {}),
         "load_s": round(load_s, 3),
         "union_size": len(ens.union),
         "union_build_s": round(ens.union.build_seconds, 3),

@@ -1,9 +1,11 @@
 """The one configuration of an ensemble: a YAML file validated by pydantic.
 
-Owns: the config's fields and their validation (the method and its parameters through the
-combiners' declared models, ``tokenfuse.combiners.validate_params``), and the one override rule
-every entry point uses (``EnsembleConfig.with_overrides``; ``EnsembleConfig.from_args`` for the
-command line's flags). Errors name the field (``members.1.weight``) and what to write instead.
+An ``EnsembleConfig`` is the ensemble's options (``tokenfuse.engine.options.EnsembleOptions``,
+which validates them), its members, their placement and the decoding defaults. Owns: the members'
+fields and the checks that need them, and the entry points' overrides (``with_overrides``: the
+options' one override rule, ``engine.options.merged``, plus weights and decoding;
+``EnsembleConfig.from_args`` for the command line's flags). Errors name the field
+(``members.1.weight``) and what to write instead.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
-from tokenfuse.combiners import combiner_class, validate_params
-from tokenfuse.engine import check_members
-from tokenfuse.engine.speculative import check_draft
+from tokenfuse.combiners import combiner_class
+from tokenfuse.engine.options import EnsembleOptions, merged, options_error
 from tokenfuse.errors import ConfigError
 
 # The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
@@ -97,32 +98,12 @@ class DecodingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
-class SpeculativeConfig(_Strict):
-    """Speculative decoding of greedy sequences (``tokenfuse.engine.speculative``): the drafter member
-    (default: the one with the smallest weights) proposes up to ``k`` pieces per round, every
-    member checks them in one chunked forward; ``adapt``: the next round drafts one more piece than
-    were accepted."""
+class EnsembleConfig(EnsembleOptions):
+    """An ensemble: its members, placement and decoding defaults, and its options (the fields of
+    ``EnsembleOptions``, written at the top level of the YAML; ``options`` gives them alone)."""
 
-    draft: str | None = None
-    k: int = Field(4, ge=1, le=32)
-    adapt: bool = True
-
-
-class EnsembleConfig(_Strict):
-    """An ensemble: members, the combining method and its parameters, gate/threshold, decoding."""
-
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=False)
     members: list[MemberConfig] = Field(min_length=1)
-    method: str = "gac"
-    params: dict[str, Any] = Field(default_factory=dict)
-    primary: str | None = None  # default: the member with the highest `score`, else the first listed
-    agreement_skip: bool | None = None  # None: on for greedy decoding with gac/unite, off otherwise
-    gate: str | None = None
-    threshold: float | None = Field(None, ge=0, le=1)
-    window: int = Field(8, ge=1, le=256)
-    # likelihood scoring: each member's ids fed in as few chunked forwards as they allow, or piece by
-    # piece (the reference path; docs/evaluation.md, "One-forward scoring")
-    scoring: Literal["one-forward", "stepwise"] = "one-forward"
-    parallel: bool = True  # forward members in threads (measured faster on a 2-core CPU; see README)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     cache_dir: str | None = None
     placement: Literal["local", "ray"] = "local"  # ray: each member in a Ray actor (extra tokenfuse[ray])
@@ -131,20 +112,17 @@ class EnsembleConfig(_Strict):
     ray_max_restarts: int = Field(0, ge=0)  # ray: restarts of a dead member actor (its sequences are re-sent whole)
     ray_call_timeout: float | None = Field(None, gt=0)  # ray: seconds before a member call counts as unavailable
     on_member_failure: Literal["error", "skip"] = "error"  # skip: a failed remote/Ray member is left out
-    # greedy speculative decoding; off by default (on the bundled llama.cpp members it was measured slower: README)
-    speculative: SpeculativeConfig | None = None
+
+    def _check_known_members(self) -> None:
+        try:
+            self.check_members([m.name for m in self.members], [m.weight for m in self.members])
+        except ConfigError as err:
+            raise ConfigError(str(err) + _repeat_hint(self.members)) from None
 
     @model_validator(mode="after")
-    def _consistent(self) -> EnsembleConfig:
-        try:  # the method and its parameters, through the combiner's declared parameter model
-            validate_params(self.method, self.params)
-        except ConfigError as err:
-            raise ValueError(str(err)) from None
-        try:  # the rules every ensemble obeys, in the engine (it checks them for in-memory members too)
-            check_members([m.name for m in self.members], [m.weight for m in self.members], gate=self.gate,
-                          threshold=self.threshold, primary=self.primary)
-        except ConfigError as err:
-            raise ValueError(str(err) + _repeat_hint(self.members)) from None
+    def _with_members(self) -> EnsembleConfig:
+        """What only the config knows: members' backends and placement against the options (the
+        options' rules, those that need the members' names among them, are checked first)."""
         self._adaptive_consistent()
         self._speculative_consistent()
         if combiner_class(self.method).needs == "full":
@@ -157,10 +135,7 @@ class EnsembleConfig(_Strict):
         return self
 
     def _adaptive_consistent(self) -> None:
-        """The adaptive parameters (``combiners.base.AdaptiveParams``) against the rest of the config."""
-        if self.params.get("select") is not None and self.gate is not None:
-            raise ValueError(f"params.select: selective ensembling gates on the primary member ({self.primary_name}); "
-                             "drop `gate` and `threshold`, or drop `select` (set `primary` to choose the member)")
+        """PackLLM prompt weights need every member's log-probabilities in this process."""
         if self.params.get("prompt_weights") is not None:
             if self.placement == "ray":
                 raise ValueError("placement: params.prompt_weights (PackLLM) needs every member's log-probabilities "
@@ -171,14 +146,11 @@ class EnsembleConfig(_Strict):
                                      "log-probabilities at every prompt position, which the OpenAI API does not give")
 
     def _speculative_consistent(self) -> None:
+        """The drafter runs in this process (the engine checks its loaded members again)."""
         spec = self.speculative
         if spec is None or spec.draft is None:
             return
         names = [m.name for m in self.members]
-        try:
-            check_draft(names, spec.draft)
-        except ConfigError as err:
-            raise ValueError(str(err)) from None
         if self.placement == "ray" or self.members[names.index(spec.draft)].backend == "openai":
             raise ValueError(f"speculative.draft: {spec.draft!r} does not run in this process (placement: local, "
                              "backend llamacpp or transformers); speculative decoding drafts with a local member")
@@ -186,15 +158,16 @@ class EnsembleConfig(_Strict):
     @property
     def primary_name(self) -> str:
         """The primary member: ``primary`` if set, else the highest ``score``, else the first member."""
-        if self.primary is not None:
-            return self.primary
-        scored = [m for m in self.members if m.score is not None]
-        if scored:
-            return max(scored, key=lambda m: m.score).name  # max keeps the first of equal scores
-        return self.members[0].name
+        return self.primary_of([m.name for m in self.members], [m.score for m in self.members])
+
+    @property
+    def primary_label(self) -> str:
+        return self.primary_name
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(exclude_none=True), sort_keys=False)
+        data = self.model_dump(exclude_none=True)
+        data = {"members": data.pop("members"), **data}  # members first, as people write it
+        return yaml.safe_dump(data, sort_keys=False)
 
     def with_overrides(self, *, decoding: Mapping[str, Any] | None = None, origin: str = "overrides",
                        names: Mapping[str, str] | None = None, **options: Any) -> EnsembleConfig:
@@ -208,7 +181,7 @@ class EnsembleConfig(_Strict):
           carry over); the same method keeps them;
         * ``params``: merged key by key into the (possibly cleared) parameters;
         * ``gate``, ``threshold``, ``primary``, ``agreement_skip``, ``scoring``, ``speculative`` (a
-          mapping of ``SpeculativeConfig``'s fields, or ``None``: off): replaced;
+          mapping of ``SpeculativeOptions``' fields, or ``None``: off): replaced;
         * ``weights``: a list in member order, or ``{member name: weight}`` (the others kept).
 
         ``decoding`` fields (``DecodingConfig``) are merged into the decoding defaults.
@@ -222,20 +195,13 @@ class EnsembleConfig(_Strict):
             raise ConfigError(f"{origin}: unknown option(s) {', '.join(sorted(unknown))}; "
                               f"allowed: {', '.join(ENSEMBLE_OPTIONS)}")
         label = {k: f"{origin}: {k}" for k in ENSEMBLE_OPTIONS} | dict(names or {})
-        data = self.model_dump()
-        for key in ("method", "gate", "threshold", "primary", "agreement_skip", "scoring", "speculative"):
-            if key in options:
-                data[key] = options[key]
-        if "method" in options and options["method"] != self.method:
-            data["params"] = {}  # another method's parameters do not carry over
         params = options.get("params")
-        if params is not None:
-            if not isinstance(params, Mapping):
-                raise ConfigError(f"{label['params']}: expected a mapping of parameter names to values, "
-                                  f"got {params!r}")
-            data["params"] = {**data["params"], **params}
-        if options.get("weights") is not None:
-            for m, w in zip(data["members"], _weights(options["weights"], self.members, label["weights"])):
+        if params is not None and not isinstance(params, Mapping):
+            raise ConfigError(f"{label['params']}: expected a mapping of parameter names to values, got {params!r}")
+        weights = options.pop("weights", None)
+        data = merged(self.model_dump(), options)  # the options' one override rule
+        if weights is not None:
+            for m, w in zip(data["members"], _weights(weights, self.members, label["weights"])):
                 m["weight"] = w
         if decoding:
             data["decoding"] = {**data["decoding"], **decoding}
@@ -313,16 +279,6 @@ def _key_value(item: str) -> tuple[str, Any]:
                           f"{value!r}") from None
 
 
-def _format(err: ValidationError, origin: str) -> str:
-    """Every validation error on one line, each naming its field: ``<origin>: members.1.weight: ...``."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{origin}: {loc}: {msg}" if loc else f"{origin}: {msg}")  # model checks name their field
-    return "; ".join(lines)
-
-
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """A YAML error in one line: what is wrong and where (``line 2, column 5``)."""
     mark = getattr(err, "problem_mark", None)
@@ -337,7 +293,7 @@ def parse_config(data: Any, *, origin: str = "config") -> EnsembleConfig:
     try:
         return EnsembleConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format(err, origin)) from None
+        raise ConfigError(options_error(err, origin)) from None
 
 
 def load_config(path: str | Path) -> EnsembleConfig:

@@ -94,7 +94,7 @@ class TokenfuseLM(LM):
         if ensemble is None:
             ensemble = self._load(config, models, method=method, gate=gate, threshold=threshold, primary=primary)
         self.ensemble = ensemble
-        self.singles = [Ensemble.single(m, window=ensemble.window) for m in ensemble.members]
+        self.singles = [Ensemble.single(m, window=ensemble.options.window) for m in ensemble.members]
         self.mode, self.combine, self.chat = loglikelihood, combine, _bool(chat)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         self.max_gen_toks = int(max_gen_toks)

@@ -64,10 +64,6 @@ def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None, progress:
     """
     for m, mc in zip(members, cfg.members):
         m.score = mc.score
-    ens = Ensemble(members, method=cfg.method, method_params=cfg.params, primary=cfg.primary_name,
-                   agreement_skip=cfg.agreement_skip, gate=cfg.gate, threshold=cfg.threshold,
-                   window=cfg.window, parallel=cfg.parallel, union=union, scoring=cfg.scoring,
-                   speculative=cfg.speculative.model_dump() if cfg.speculative is not None else None,
-                   align_cache=cache_dir(cfg.cache_dir) / "alignment")
+    ens = Ensemble(members, cfg.options, union=union, align_cache=cache_dir(cfg.cache_dir) / "alignment")
     ens.combiner.prepare(progress=progress)
     return ens

@@ -121,7 +121,7 @@ def run_calibration(cfg, *, task: str = "arc_easy", limit: int | None = 100, dat
                  if s.kind == "engine"]
         settings = EvalSettings(tasks=[task], methods=["single", *wanted], limit=limit, data=data,
                                 out=str(Path(out) / "eval"), mc="likelihood", progress=progress)
-        per_method = run_task(cfg, ens.members, ens.union, t, specs, settings)
+        per_method = run_task(cfg, ens, t, specs, settings)
     if not per_method:
         raise TokenfuseError(f"analyze calibration: no records for task {task!r}")
     rel = {m: from_records(recs, bins=bins) for m, recs in per_method.items()}

@@ -10,12 +10,11 @@ Each combiner declares its parameters as a pydantic model (``Params``); ``get_co
 ``validate_params`` check a method's parameters through it, so the config, the command line and
 the server's per-request options report a bad parameter the same way (``params.<key>: ...``).
 
-``AdaptiveParams`` are the adaptive options GaC and UniTE share (docs/evaluation.md, "Adaptive
-combination"): per-step weights from each member's confidence (``confidence``, applied here, in
-``Combiner.weights``), per-prompt weights from each member's likelihood of the prompt
-(``prompt_weights``, PackLLM: the engine scores the prompt and hands the factors over in
-``StepView.log_factors``) and selective ensembling (``select``, SAFE-style: the engine decides
-which steps are ensembled, ``tokenfuse.engine.decide``).
+A combiner that declares ``adaptive = True`` (GaC, UniTE) also takes the engine's adaptive
+parameters (``select``, ``confidence``, ``prompt_weights``, ...) in its ``params``: they are
+declared and run by the step decision's strategies (``tokenfuse.engine.strategies``), which hand a
+combiner nothing but per-row weight factors (``StepView.log_factors``); ``validate_params``
+checks them with the combiner's own through the models the caller passes (``extra``).
 """
 
 from __future__ import annotations
@@ -26,11 +25,12 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from difflib import get_close_matches
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.errors import ConfigError
@@ -88,8 +88,8 @@ class StepView:
         logprobs: full ``float32[R, V_i]`` log-probabilities per member (``needs == "full"``).
         topk: ``(logprobs float32[R, k], ids int64[R, k])`` per member (``needs == "topk"``).
         stage: the engine's stage timer (``stage("align")`` is a context manager).
-        log_factors: per member, a per-row log weight factor ``float64[R]`` from the engine (PackLLM
-            prompt weights); a member without one has factor 1.
+        log_factors: per member, a per-row log weight factor ``float64[R]`` from the step decision's
+            strategies (prompt weights, per-step confidence); a member without one has factor 1.
     """
 
     space: VocabSpace
@@ -122,41 +122,6 @@ class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class AdaptiveParams(BaseModel):
-    """Adaptive options (GaC and UniTE; every one off by default).
-
-    Attributes:
-        select: selective ensembling (SAFE-style): the primary member's confidence threshold. Where
-            its top probability is above it the primary's piece is taken and no other member runs
-            (thresholded GaC with the primary as the gate); elsewhere every member runs, a piece they
-            all rank first is taken (agreement skip) and the combination decides only where they
-            disagree. ``0`` is the primary alone, ``1`` (with ``select_boundary: false``) plain
-            combination. ``None``: off.
-        select_boundary: with ``select``, never take the combination's piece where it is a strict
-            prefix of some computed member's most likely token (the member holds a longer word as one
-            token and would have to continue from a fragment of it): take the primary's most likely
-            piece there instead.
-        confidence: per-step weights: each member's weight times its confidence on that step,
-            ``top`` its top probability, ``entropy`` ``exp(-H)`` of its next-token distribution (top-k
-            methods: of its top-k, renormalised); ``none``: off.
-        sharpness: the exponent ``β`` of the confidence: ``top^β`` or ``exp(-β·H)``.
-        prompt_weights: PackLLM-sim per-prompt weights at temperature ``τ``: each member's weight
-            times ``exp(ℓ_i / τ)``, ``ℓ_i`` its mean log-probability per UTF-8 byte of its own prompt
-            (from the prefill). ``None``: off.
-        prompt_bytes: with ``prompt_weights``, score only each member's ids that cover the prompt's
-            last ``N`` bytes (the item-specific end of a few-shot prompt; the prefix before them is
-            a plain prefill, which a cached prefix can serve). ``None``: the whole prompt.
-    """
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    select: float | None = Field(None, ge=0, le=1)
-    select_boundary: bool = True
-    confidence: Literal["none", "top", "entropy"] = "none"
-    sharpness: float = Field(1.0, ge=0)
-    prompt_weights: float | None = Field(None, gt=0)
-    prompt_bytes: int | None = Field(None, ge=1)
-
-
 class Combiner(ABC):
     """Turns the computed members' outputs into one distribution over union entries.
 
@@ -169,12 +134,15 @@ class Combiner(ABC):
         exact_agreement: with greedy decoding, when every computed member's most likely union
             entry is the same, the combined distribution's argmax is that entry, so the engine may
             skip alignment and combination for the step (agreement skip) without changing output.
+        adaptive: it takes the step decision's adaptive parameters (``tokenfuse.engine.strategies``)
+            besides its own: its average takes per-row weights (``weights``).
     """
 
     name: ClassVar[str]
     Params: ClassVar[type[BaseModel]] = NoParams
     needs: ClassVar[str] = "full"
     exact_agreement: ClassVar[bool] = True
+    adaptive: ClassVar[bool] = False
     k: int = 0
 
     def __init__(self, params: BaseModel | None = None) -> None:
@@ -192,27 +160,18 @@ class Combiner(ABC):
     def combine(self, view: StepView) -> Dist:
         """The combined distribution for every row of ``view``."""
 
-    @property
-    def adaptive(self) -> AdaptiveParams | None:
-        """The adaptive options, for a method that has them (``None`` otherwise)."""
-        return self.params if isinstance(self.params, AdaptiveParams) else None
-
     def weights(self, view: StepView) -> list[tuple[int, float | torch.Tensor]]:
         """The computed members with a positive weight and their weights, not normalised: the
-        configured weights (floats) or, with per-row factors (``view.log_factors``, ``confidence``),
-        ``float64[R]`` per member, scaled so each row's largest is 1."""
+        configured weights (floats) or, with per-row factors (``view.log_factors``), ``float64[R]``
+        per member, scaled so each row's largest is 1."""
         live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
-        opts = self.adaptive
-        conf = opts is not None and opts.confidence != "none" and opts.sharpness > 0 and len(live) > 1
-        if not conf and not any(i in view.log_factors for i, _ in live):
+        if not any(i in view.log_factors for i, _ in live):
             return live
         logw = torch.zeros(view.rows, len(live), dtype=torch.float64)
         for k, (i, w) in enumerate(live):
             logw[:, k] = math.log(w)
             if i in view.log_factors:
                 logw[:, k] += view.log_factors[i]
-            if conf:
-                logw[:, k] += opts.sharpness * log_confidence(view, i, opts.confidence)
         w = (logw - logw.max(-1, keepdim=True).values).exp()
         return [(i, w[:, k]) for k, (i, _) in enumerate(live)]
 
@@ -239,17 +198,6 @@ class Combiner(ABC):
     def describe(self) -> dict[str, Any]:
         """The method and the parameters given explicitly (defaults left out)."""
         return {"method": self.name, **self.params.model_dump(exclude_unset=True)}
-
-
-def log_confidence(view: StepView, i: int, kind: str) -> torch.Tensor:
-    """Member ``i``'s log-confidence on each row, ``float64[R]``: ``top`` its highest log-probability,
-    ``entropy`` minus the entropy of its next-token distribution (top-k: of its top-k, renormalised)."""
-    if kind == "top":
-        top = view.logprobs[i].max(-1).values if i in view.logprobs else view.topk[i][0][:, 0]
-        return top.double()
-    lp = view.logprobs[i].double() if i in view.logprobs else view.topk[i][0].double()
-    lp = lp - lp.logsumexp(-1, keepdim=True)  # (full distributions already sum to 1)
-    return (lp.exp() * lp).nan_to_num().sum(-1)  # -H; 0 * -inf counts 0
 
 
 def normalise(weights: Sequence[tuple[int, float | torch.Tensor]]) -> list[tuple[int, float | torch.Tensor]]:
@@ -312,11 +260,12 @@ def combiner_class(name: str) -> type[Combiner]:
     return REGISTRY[name]
 
 
-def _params(cls: type[Combiner], params: dict[str, Any]) -> BaseModel:
+def _params(cls: type[Combiner], params: dict[str, Any], extra: Sequence[type[BaseModel]] = ()) -> BaseModel:
+    model = _with_extra(cls.Params, tuple(extra)) if extra and cls.adaptive else cls.Params
     try:
-        return cls.Params.model_validate(params)
+        return model.model_validate(params)
     except ValidationError as err:
-        known = ", ".join(cls.Params.model_fields) or "none"
+        known = ", ".join(model.model_fields) or "none"
         lines = []
         for e in err.errors():
             key = ".".join(str(p) for p in e["loc"])
@@ -328,14 +277,23 @@ def _params(cls: type[Combiner], params: dict[str, Any]) -> BaseModel:
         raise ConfigError("; ".join(lines)) from None
 
 
-def validate_params(method: str, params: dict[str, Any] | None) -> dict[str, Any]:
-    """Check ``params`` against method ``method``'s declared parameters; returns them as given
-    (validated, defaults not filled in). Raises ``ConfigError`` naming ``method`` or ``params.<key>``."""
+@lru_cache(maxsize=None)
+def _with_extra(own: type[BaseModel], extra: tuple[type[BaseModel], ...]) -> type[BaseModel]:
+    """One model of the ``extra`` parameters (the caller's adaptive ones, in order) and a combiner's
+    own, so that every key is checked and an unknown one lists them all."""
+    return type(own.__name__, (own, *reversed(extra)), {"model_config": ConfigDict(extra="forbid", allow_inf_nan=False)})
+
+
+def validate_params(method: str, params: dict[str, Any] | None, *, extra: Sequence[type[BaseModel]] = ()) -> dict[str, Any]:
+    """Check ``params`` against method ``method``'s declared parameters, and against ``extra``
+    (the engine's adaptive parameters, for a combiner that declares ``adaptive``); returns them as
+    given (validated, defaults not filled in). Raises ``ConfigError`` naming ``method`` or
+    ``params.<key>``."""
     cls = combiner_class(method)
-    return _params(cls, dict(params or {})).model_dump(exclude_unset=True)
+    return _params(cls, dict(params or {}), extra).model_dump(exclude_unset=True)
 
 
 def get_combiner(name: str, **params: Any) -> Combiner:
-    """A new combiner ``name`` with ``params`` (validated through its ``Params`` model)."""
+    """A new combiner ``name`` with its own ``params`` (validated through its ``Params`` model)."""
     cls = combiner_class(name)
     return cls(_params(cls, params))

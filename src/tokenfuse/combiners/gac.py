@@ -5,11 +5,11 @@ the weighted average ``q = Σ w_i p_i M_i / Σ w_i`` (§4.3's weighted form; uni
 Eq. 3). Thresholded mode (Eq. 5) is not a separate combiner: the engine runs only the gate
 member when its top probability exceeds ``t`` and combines whoever ran.
 
-Adaptive options (``AdaptiveParams``, docs/evaluation.md "Adaptive combination"): ``confidence``
-scales each member's weight per step by its confidence; ``prompt_weights`` per prompt by its
-likelihood of the prompt (PackLLM-sim); ``select`` ensembles only where the primary member is unsure
-and the members disagree (SAFE-style; the engine runs it). The average stays ``Σ w_i p_i / Σ w_i``,
-with per-row ``w``.
+Adaptive (``adaptive = True``; the step decision's strategies, ``tokenfuse.engine.strategies``):
+``confidence`` scales each member's weight per step by its confidence; ``prompt_weights`` per prompt
+by its likelihood of the prompt (PackLLM-sim); ``select`` ensembles only where the primary member is
+unsure and the members disagree (SAFE-style). The average stays ``Σ w_i p_i / Σ w_i``, with per-row
+``w``.
 
 Deviations from the paper: the union is over exact bytes, not token strings; each member's
 distribution is renormalised over its text + END tokens (special-token mass is dropped) before
@@ -18,13 +18,13 @@ averaging; all end-of-sequence / end-of-turn tokens share one END entry.
 
 from __future__ import annotations
 
-from tokenfuse.combiners.base import AdaptiveParams, Combiner, Dist, StepView, register, weighted_average
+from tokenfuse.combiners.base import Combiner, Dist, StepView, register, weighted_average
 
 
 @register
 class GaC(Combiner):
     name = "gac"
-    Params = AdaptiveParams
+    adaptive = True
 
     def combine(self, view: StepView) -> Dist:
         live = self.weights(view)

@@ -24,7 +24,7 @@ Each step, per sequence:
 4. Weighted average with the member weights (uniform weights as in the paper), then the engine
    chooses (greedy by default, or sampling over the candidates).
 
-Adaptive options (``AdaptiveParams``: ``confidence`` from each member's top-k, ``prompt_weights``,
+Adaptive options (``adaptive = True``: ``confidence`` from each member's top-k, ``prompt_weights``,
 ``select``) as for GaC (``combiners/gac.py``); the average in step 4 then has per-row weights.
 
 A member is asked only for its top-``k`` and for the log-probabilities of a few named ids
@@ -36,16 +36,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from pydantic import field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from tokenfuse.combiners.base import AdaptiveParams, Combiner, Dist, Setup, StepView, normalise, register
+from tokenfuse.combiners.base import Combiner, Dist, Setup, StepView, normalise, register
 from tokenfuse.errors import AlignmentError
 
 
-class UniTEParams(AdaptiveParams):
-    """``k``: each member's top-k tokens that become candidates (the paper's default: 10); the
-    adaptive options of ``AdaptiveParams``."""
+class UniTEParams(BaseModel):
+    """``k``: each member's top-k tokens that become candidates (the paper's default: 10)."""
 
+    model_config = ConfigDict(extra="forbid")
     k: int = 10
 
     @field_validator("k", mode="before")
@@ -61,6 +61,7 @@ class UniTE(Combiner):
     name = "unite"
     Params = UniTEParams
     needs = "topk"
+    adaptive = True
 
     def __init__(self, params: UniTEParams | None = None) -> None:
         super().__init__(params)

@@ -2,9 +2,9 @@
 
 For a batch of sequences at one step:
 
-1. **Groups** (``groups``): every weighted member decides every row; or, with a gate (GaC Eq. 5),
-   the gate alone decides the rows where its top probability is above the threshold and the
-   weighted members decide the rest.
+1. **Groups** (``groups``): every weighted member decides every row; or, with a gating strategy
+   (GaC Eq. 5, ``select``), the gate alone decides the rows where its top probability is above
+   the threshold and the weighted members decide the rest.
 2. **Agreement skip** (``agreement``): where every computed member ranks the same union entry
    first, that entry is the choice; alignment and combination are skipped (exact for greedy
    decoding with GaC and UniTE).
@@ -13,15 +13,11 @@ For a batch of sequences at one step:
 4. **Choice**: greedy (exact ties go to the primary member's preference, then the smaller bytes) or
    sampling with the sequence's own generator.
 
-Adaptive options (the combiner's ``AdaptiveParams``, docs/evaluation.md "Adaptive combination"):
-
-* ``select`` (SAFE-style selective ensembling) is thresholded mode with the primary member as the
-  gate and ``select`` as the threshold, plus a boundary rule on the rows the combination decides:
-  where its piece is a strict prefix of some computed member's most likely token, the primary's
-  most likely piece is taken instead (``Sequence.vetoed`` counts it).
-* ``prompt_weights`` (PackLLM): before a sequence's first forward every weighted member scores its
-  own prompt (``prompt_logprob_per_byte``, which is also its prefill); the view of each step
-  carries ``log w_i += ℓ_i / τ`` per row (``StepView.log_factors``).
+The adaptive rules are strategies (``tokenfuse.engine.strategies``), asked through one narrow
+interface: the one that gates gives step 1's gate member and threshold (thresholded mode, or
+``select`` with the primary), every one may ``prepare`` the sequences before a forward (PackLLM
+prompt scores), add per-row log weight factors to the combiner's view (prompt weights, confidence)
+and ``revise`` a choice (select's word boundary). This module only orchestrates.
 
 A traced sequence (``Sequence.trace``) also gets a ``StepRecord`` in its ``Decision`` (``trace.py``):
 its group is then combined on agreement-skipped rows too (for the record only) and top-k members
@@ -40,42 +36,38 @@ from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, StepView
 from tokenfuse.engine.decision import Decision
+from tokenfuse.engine.options import EnsembleOptions
 from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import choose
 from tokenfuse.engine.sequence import Sequence
+from tokenfuse.engine.strategies import Strategy, build_strategies
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import record_step
-from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member, SeqState
 
 Group = tuple[list[int], list[int]]  # (rows of the batch, the members that decide them)
-PROMPT_CHUNK = 32  # prompt positions per call when a prompt is scored (each keeps a float32[V] row)
 
 
 class Decider:
     """Decides one step for a batch of sequences (see the module docstring)."""
 
     def __init__(self, members: Seq[Member], space: VocabSpace, combiner: Combiner, pool: MemberPool,
-                 timer: StageTimer, *, primary: int, gate: int | None, threshold: float | None,
-                 agreement_skip: bool | None) -> None:
+                 timer: StageTimer, options: EnsembleOptions, *, primary: int) -> None:
         self.members = list(members)
+        self.names = [m.name for m in self.members]
         self.space = space
         self.combiner = combiner
         self.pool = pool
         self.timer = timer
         self.primary = primary
-        self.gate = gate
-        self.threshold = threshold
-        self.agreement_skip = agreement_skip
-        opts = combiner.adaptive
-        self.boundary = False  # select's boundary rule
-        self.prompt_tau = opts.prompt_weights if opts is not None else None
-        self.prompt_bytes = opts.prompt_bytes if opts is not None else None
-        if opts is not None and opts.select is not None:
-            if gate is not None:
-                raise ConfigError("params.select: selective ensembling gates on the primary member; drop `gate` "
-                                  "and `threshold` (or drop `select`)")
-            self.gate, self.threshold, self.boundary = primary, opts.select, opts.select_boundary
+        self.agreement_skip = options.agreement_skip
+        self.strategies: list[Strategy] = build_strategies(options)
+        for st in self.strategies:
+            st.bind(self)
+        gates = [g for st in self.strategies if (g := st.gate()) is not None]
+        self.gate, self.threshold = gates[0] if gates else (None, None)
+        self.prefills = any(st.prefills for st in self.strategies)  # scoring cannot share member rows
+        self.speculative_ok = all(st.speculative for st in self.strategies)
 
     # ------------------------------------------------------------------ members
     def forward(self, which: list[int], seqs: list[Sequence], *, trace_k: int = 0) -> dict[int, MemberOutput]:
@@ -83,8 +75,7 @@ class Decider:
         least ``trace_k`` entries (a traced step shows them; ``view`` passes the combiner its own k)."""
         if not seqs:
             return {}
-        if self.prompt_tau is not None:
-            self.score_prompts(seqs)
+        self.prepare(seqs)
         with self.timer.stage("forward"):
             states = {i: [s.states[i] for s in seqs] for i in which}
             topk = max(self.combiner.k, trace_k) if self.combiner.needs == "topk" else 0
@@ -119,19 +110,10 @@ class Decider:
             groups.append((unsure, sorted(set(others) | ({g} if weights[g] > 0 else set())) or [g]))
         return groups
 
-    def score_prompts(self, seqs: list[Sequence]) -> None:
-        """Each weighted member's ``prompt_logprob_per_byte`` for the sequences not scored yet (their
-        prefill; PackLLM weights)."""
-        fresh = [s for s in seqs if s.prompt_scores is None]
-        if not fresh:
-            return
-        weighted = [i for i, m in enumerate(self.members) if m.weight > 0]
-        with self.timer.stage("forward"):
-            got = self.pool.run(weighted, lambda i: [prompt_logprob_per_byte(self.members[i], s.states[i],
-                                                                             last_bytes=self.prompt_bytes)
-                                                     for s in fresh])
-        for k, s in enumerate(fresh):
-            s.prompt_scores = {i: got[i][k] for i in weighted}
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Every strategy's ``prepare`` (before a forward of ``seqs``; PackLLM scores new prompts)."""
+        for st in self.strategies:
+            st.prepare(seqs)
 
     def view(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
              pick: torch.Tensor | None = None) -> StepView:
@@ -140,16 +122,11 @@ class Decider:
 
     def states_view(self, states: dict[int, list[SeqState]], members: list[int], outs: dict[int, MemberOutput],
                     pick: torch.Tensor | None = None, *, seqs: list[Sequence] | None = None) -> StepView:
-        """``view`` from each member's states of the rows (one-forward scoring builds its own); ``seqs``
-        (the rows' sequences) carry the per-prompt weights."""
+        """``view`` from each member's states of the rows (one-forward scoring builds its own), with the
+        strategies' per-row log weight factors summed in their order; ``seqs`` (the rows' sequences)
+        carry what strategies keep per sequence (PackLLM's prompt scores)."""
         view = StepView(space=self.space, models=self.members, states=states,
                         members=members, weights=[self.members[i].weight for i in members], stage=self.timer.stage)
-        if self.prompt_tau is not None and len(members) > 1:
-            if seqs is None:
-                raise ValueError("params.prompt_weights: a view of rows without their sequences has no prompt weights")
-            self.score_prompts(seqs)
-            view.log_factors = {i: torch.tensor([s.prompt_scores[i] / self.prompt_tau for s in seqs],
-                                                dtype=torch.float64) for i in members if i in seqs[0].prompt_scores}
         for i in members:
             o = outs[i].rows(pick)
             if o.logprobs is not None:
@@ -158,6 +135,9 @@ class Decider:
                 view.topk[i] = (o.topk[0][:, : self.combiner.k], o.topk[1][:, : self.combiner.k])
             else:
                 view.topk[i] = o.topk
+        for st in self.strategies:
+            for i, f in st.factors(view, seqs).items():
+                view.log_factors[i] = view.log_factors[i] + f if i in view.log_factors else f
         return view
 
     # ------------------------------------------------------------------ the decision
@@ -208,10 +188,9 @@ class Decider:
             dist = self.distribution(view, members)
             with self.timer.stage("choose"):
                 chosen = {r: self.choose(dist, j, seqs[r]) for j, r in enumerate(combined) if result[r] is None}
-                if self.boundary and ens and chosen:
-                    chosen = self.word_boundary(seqs, members, outs, chosen)
+                revised = set().union(*(st.revise(seqs, members, outs, chosen) for st in self.strategies))
                 for r, e in chosen.items():
-                    result[r] = Decision(e, ens, gated=gated)
+                    result[r] = Decision(e, ens, gated=gated, vetoed=r in revised)
             if traced:  # (untimed: a trace's own cost shows as "other")
                 for j, r in enumerate(combined):
                     if seqs[r].trace is not None:
@@ -224,34 +203,6 @@ class Decider:
             if len(members) == 1 and members[0] in view.logprobs:
                 return Dist(view.project(members[0]))
             return self.combiner.combine(view)
-
-    def word_boundary(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
-                      chosen: dict[int, int]) -> dict[int, int]:
-        """``select``'s boundary rule: a chosen piece that is a strict prefix of some member's most
-        likely token (a word it holds as one token) gives way to the primary's most likely piece."""
-        rows = list(chosen)
-        pick = torch.tensor(rows)
-        pieces = {r: self.space.piece(chosen[r]) if chosen[r] != END else b"" for r in rows}
-        split = set()
-        for i in members:
-            ids, _ = outs[i].rows(pick).top_text(self.space.union.maps[i])
-            token_bytes = self.space.codecs[i].token_bytes
-            for r, tid in zip(rows, ids.tolist()):
-                b = token_bytes[tid] or b""
-                if pieces[r] and len(b) > len(pieces[r]) and b.startswith(pieces[r]):
-                    split.add(r)
-        if not split:
-            return chosen
-        p = self.primary
-        out = outs[p] if p in outs else self.forward([p], seqs)[p]
-        umap = self.space.union.maps[p]
-        ids, _ = out.rows(pick).top_text(umap)
-        for r, tid in zip(rows, ids.tolist()):
-            e = int(umap[tid])
-            if r in split and e >= 0 and e != chosen[r] and self.space.union.representable[e]:
-                chosen[r] = e
-                seqs[r].vetoed += 1
-        return chosen
 
     def _traced(self, d: Decision, dist: Dist, j: int, outs: dict[int, MemberOutput], r: int, s: Sequence) -> Decision:
         rec = record_step(self.space, self.members, self.primary, s.trace.options, d.entry, dist, j, outs, r, s.states,
@@ -320,45 +271,3 @@ class Decider:
 
         return max(cols, key=lambda c: (mass(c), -c))
 
-
-def prompt_logprob_per_byte(member: Member, st: SeqState, *, last_bytes: int | None = None) -> float:
-    """``member``'s mean log-probability per UTF-8 byte of its prompt (the ids after the first, or
-    with ``last_bytes`` the last ids that cover at least that many bytes; ids without bytes, i.e.
-    special tokens, left out; 0 for a prompt without text), computed as the sequence's prefill: the
-    prompt goes in through ``Member.logprobs_at`` in calls that end at multiples of
-    ``PROMPT_CHUNK`` (the last call takes the remainder too), after which the state holds the prompt
-    and its next-token distribution as a plain prefill leaves them. Needs a fresh state (no output
-    yet) of a member in this process."""
-    if not member.in_process:
-        raise ConfigError(f"params.prompt_weights: member {member.name!r} does not run in this process "
-                          "(PackLLM weights need its log-probabilities at every prompt position)")
-    if st.ids or st.n_valid:
-        raise ValueError("prompt_logprob_per_byte: the state must be fresh (nothing fed, no output)")
-    full = list(st.prompt_ids)
-    token_bytes = member.codec.token_bytes
-
-    def text(n: int) -> bytes:
-        return (token_bytes[full[n]] if full[n] < len(token_bytes) else None) or b""
-
-    first, covered = 1, 0  # the first id scored
-    if last_bytes is not None:
-        first = len(full)
-        while first > 1 and covered < last_bytes:
-            first -= 1
-            covered += len(text(first))
-    stops = [m for m in range(PROMPT_CHUNK, len(full) - PROMPT_CHUNK + 1, PROMPT_CHUNK) if m >= first]
-    stops.append(len(full))
-    total, nbytes, lo = 0.0, 0, first
-    try:
-        for stop in stops:
-            st.prompt_ids = full[:stop]
-            ends = list(range(lo, stop + 1))  # after ``n`` ids: the distribution of id ``n``
-            rows = member.logprobs_at(st, ends)
-            for k, n in enumerate(ends):
-                if n < len(full) and text(n):
-                    total += float(rows[k, full[n]])
-                    nbytes += len(text(n))
-            lo = stop + 1
-    finally:
-        st.prompt_ids = full
-    return total / nbytes if nbytes else 0.0

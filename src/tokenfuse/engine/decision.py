@@ -18,6 +18,7 @@ class Decision:
             combination were skipped (agreement skip).
         gated: thresholded mode: the gate member alone decided (its top probability was above the
             threshold).
+        vetoed: a strategy revised the combination's choice (selective ensembling's boundary rule).
         trace: what the step looked like, for a traced sequence only (``None`` otherwise).
     """
 
@@ -25,4 +26,5 @@ class Decision:
     ensembled: bool
     skipped: bool = False
     gated: bool = False
+    vetoed: bool = False
     trace: StepRecord | None = None

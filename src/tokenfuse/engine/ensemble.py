@@ -15,11 +15,13 @@ shared between members. Where each part lives:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END, UnionVocab
@@ -30,104 +32,52 @@ from tokenfuse.engine.pool import MemberPool
 from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sequence import Generation, Sequence, StepEvent
-from tokenfuse.engine.speculative import Speculator, resolve
+from tokenfuse.engine.options import EnsembleOptions, options_error, own_params
+from tokenfuse.engine.speculative import Speculator
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import PromptPiece, TopEntry, Trace, TraceOptions, TraceStep, end_text, entry_text
 from tokenfuse.errors import ConfigError
-from tokenfuse.members.base import Member
-
-
-def check_members(names: Seq[str], weights: Seq[float], *, gate: str | None = None, threshold: float | None = None,
-                  primary: str | None = None) -> None:
-    """The rules an ensemble's members obey (the config checks them through this too): at least
-    one member, unique names, ``gate``/``primary`` among them, a threshold exactly when there is a
-    gate, some positive weight. Raises ``ConfigError`` naming the field."""
-    if not names:
-        raise ConfigError("members: an ensemble needs at least one member")
-    dup = sorted({n for n in names if list(names).count(n) > 1})
-    if dup:
-        raise ConfigError(f"members: names must be unique; repeated: {', '.join(dup)}")
-    if threshold is not None and gate is None:
-        raise ConfigError("gate: thresholded GaC needs a gate member (set `gate` to a member name)")
-    for field_name, value in (("gate", gate), ("primary", primary)):
-        if value is not None and value not in names:
-            raise ConfigError(f"{field_name}: {value!r} is not a member (members: {', '.join(names)})")
-    if gate is not None and threshold is None:
-        raise ConfigError(f"threshold: gate {gate!r} needs a threshold (ensemble where its top probability is at "
-                          "or below it), e.g. threshold: 0.5")
-    if all(w <= 0 for w in weights):
-        raise ConfigError("members.weight: at least one member needs a positive weight")
+from tokenfuse.members.base import Member, reweighted
 
 
 class Ensemble:
     """Members with different tokenizers generating as one model.
 
     Args:
-        members: the loaded members (their order fixes the order of ``member_ids`` only).
-        method: a registered combiner name (``gac``, ``unite``, ...); ``method_params`` its options.
-        primary: the primary member's name (default: the first member). Every member re-syncs from
-            the output bytes, so no member's tokenization drives the loop; "primary" means: greedy
-            ties between pieces go to the piece the primary finds more likely; it is the default
-            gate and the member whose tokenization segments given text into steps where that is
-            needed (likelihood scoring); one step is always one chosen piece, whichever member's
-            token it is.
-        agreement_skip: when every computed member's most likely piece is the same, take it and
-            skip alignment and combination. ``None`` (default): on for greedy decoding with combiners
-            for which this is exact (``gac``, ``unite``), off otherwise.
-        gate, threshold: thresholded mode (GaC Eq. 5): the gate member runs every step; the others
-            only when the gate's top probability is ``<= threshold``.
-        window: look-behind window (member tokens) for re-synchronisation.
-        parallel: forward the members in threads instead of one after another (see the README's
-            benchmark section for which is faster on a 2-core CPU).
+        members: the loaded members (their order fixes the order of ``member_ids`` only), each with
+            its weight.
+        options: what the ensemble is (``EnsembleOptions``: method and parameters, primary, gate,
+            agreement skip, window, scoring, threads, speculative decoding); keyword ``fields`` are a
+            shorthand for ``EnsembleOptions(**fields)`` (or, with ``options``, ``options.replace``).
+            Every member re-syncs from the output bytes, so no member's tokenization drives the loop;
+            the primary member (default: the highest ``score``, else the first) breaks greedy ties,
+            is ``select``'s gate and segments given text into steps (likelihood scoring).
         align_cache: directory for cached alignment tables (``None``: no disk cache).
         union: an already built union of these members' vocabularies (e.g. shared by a server's
             ensembles), else built or loaded.
-        scoring: ``loglikelihood``'s path: ``one-forward`` (each member's ids in as few chunked
-            forwards as they allow) or ``stepwise`` (piece by piece, the reference); see
-            ``tokenfuse.engine.likelihood``.
-        speculative: speculative decoding for greedy sequences (``tokenfuse.engine.speculative``):
-            ``{"draft": member name or None (the smallest local member), "k": pieces per round,
-            "adapt": bool}``; ``None`` (default): every step decided plainly.
     """
 
-    def __init__(
-        self,
-        members: Seq[Member],
-        *,
-        method: str = "gac",
-        method_params: dict | None = None,
-        primary: str | None = None,
-        agreement_skip: bool | None = None,
-        gate: str | None = None,
-        threshold: float | None = None,
-        window: int = 8,
-        parallel: bool = True,
-        align_cache: str | Path | None = None,
-        union: UnionVocab | None = None,
-        scoring: str = "one-forward",
-        speculative: dict | None = None,
-    ) -> None:
+    def __init__(self, members: Seq[Member], options: EnsembleOptions | None = None, *,
+                 align_cache: str | Path | None = None, union: UnionVocab | None = None, **fields: Any) -> None:
+        if fields:
+            try:
+                options = options.replace(**fields) if options is not None else EnsembleOptions(**fields)
+            except ValidationError as err:
+                raise ConfigError(options_error(err)) from None
+        self.options = options = options if options is not None else EnsembleOptions()
         names = [m.name for m in members]
-        check_members(names, [m.weight for m in members], gate=gate, threshold=threshold, primary=primary)
+        options.check_members(names, [m.weight for m in members])
         self.members = list(members)
-        self.combiner = get_combiner(method, **(method_params or {}))
-        self.gate = names.index(gate) if gate is not None else None
-        self.primary = names.index(primary) if primary is not None else 0
-        self.threshold = threshold
-        self.agreement_skip = agreement_skip
-        self.window = window
-        self.parallel = parallel
-        if scoring not in ("one-forward", "stepwise"):
-            raise ConfigError(f"scoring: expected 'one-forward' or 'stepwise', got {scoring!r}")
-        self.scoring = scoring
+        self.combiner = get_combiner(options.method, **own_params(options))
+        self.primary = names.index(options.primary_of(names, [m.score for m in members]))
         self.align_cache = Path(align_cache) if align_cache is not None else None
         self.space = VocabSpace.build(names, [m.codec for m in members], union=union, cache=self.align_cache)
         self.timer = StageTimer()
-        self.pool = MemberPool(self.members, parallel=parallel)
+        self.pool = MemberPool(self.members, parallel=options.parallel)
         self.combiner.bind(Setup(self.space, self.members, self.primary, self.align_cache))
-        self.decider = Decider(self.members, self.space, self.combiner, self.pool, self.timer, primary=self.primary,
-                               gate=self.gate, threshold=threshold, agreement_skip=agreement_skip)
-        spec = resolve(speculative, self.members)
+        self.decider = Decider(self.members, self.space, self.combiner, self.pool, self.timer, options,
+                               primary=self.primary)
+        spec = options.speculative
         self.speculator = Speculator(self.decider, spec) if spec is not None else None
 
     @classmethod
@@ -135,6 +85,34 @@ class Ensemble:
                scoring: str = "one-forward") -> Ensemble:
         """One member alone through the same engine (its own choices, its own likelihoods)."""
         return cls([member], window=window, parallel=False, align_cache=align_cache, scoring=scoring)
+
+    def variant(self, options: EnsembleOptions | None = None, *,
+                weights: Seq[float] | Mapping[str, float] | None = None, progress: bool = False) -> Ensemble:
+        """Another ensemble on these loaded members and this union: ``options`` (default: these),
+        the members seen with ``weights`` (in member order, or ``{name: weight}`` with the others
+        kept; ``members.base.Reweighted``, so sequences and caches stay the members' own), its
+        combiner prepared (``Combiner.prepare``)."""
+        if isinstance(weights, Mapping):
+            weights = [weights.get(m.name, m.weight) for m in self.members]
+        members = self.members if weights is None else [reweighted(m, w) for m, w in zip(self.members, weights)]
+        ens = Ensemble(members, options if options is not None else self.options, align_cache=self.align_cache,
+                       union=self.union)
+        ens.combiner.prepare(progress=progress)
+        return ens
+
+    def describe(self) -> dict[str, Any]:
+        """What this ensemble is, as plain data: the one self-description (CLI ``--json``, bench rows,
+        ``/v1/models``, eval headers). Names, not indices; ``primary`` and the drafter resolved."""
+        o = self.options
+        return {
+            "members": [{"name": m.name, "weight": m.weight, **({"score": m.score} if m.score is not None else {})}
+                        for m in self.members],
+            "method": o.method, "params": dict(o.params), "primary": self.members[self.primary].name,
+            "agreement_skip": o.agreement_skip, "gate": o.gate, "threshold": o.threshold, "window": o.window,
+            "scoring": o.scoring, "parallel": o.parallel,
+            "speculative": ({"draft": self.members[self.speculator.draft].name, "k": o.speculative.k,
+                             "adapt": o.speculative.adapt} if self.speculator is not None else None),
+        }
 
     @property
     def union(self) -> UnionVocab:
@@ -154,7 +132,7 @@ class Ensemble:
         gen = None
         if not sampling.greedy:
             gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
-        return Sequence(index, states, self.space, self.window, sampling, [s.encode("utf-8") for s in stop if s],
+        return Sequence(index, states, self.space, self.options.window, sampling, [s.encode("utf-8") for s in stop if s],
                         max_new_tokens, gen, finished="length" if max_new_tokens <= 0 else None,
                         trace=Trace(trace) if trace is not None else None)
 
@@ -268,7 +246,7 @@ class Ensemble:
             return [PromptPiece(p) for p in pieces]
         if not rest:
             return [PromptPiece(p) for p in pieces]
-        (lk,) = self._score([(context, rest)], chat=False, stepwise=self.scoring == "stepwise", top=top)
+        (lk,) = self._score([(context, rest)], chat=False, stepwise=self.options.scoring == "stepwise", top=top)
         end = end_text(self.members[self.primary])
         tops = lk.piece_tops or ((),) * lk.pieces
         return [PromptPiece(p) for p in pieces[:m]] + [
@@ -284,7 +262,7 @@ class Ensemble:
         ``memo`` (a ``RowMemo``) shares the members' rows with other scorings of the same requests,
         e.g. by other ensembles on the same loaded members."""
         if stepwise is None:
-            stepwise = self.scoring == "stepwise"
+            stepwise = self.options.scoring == "stepwise"
         return self._score(requests, chat=chat, stepwise=stepwise, memo=memo)
 
     def _score(self, requests: Seq[tuple[Prompt, str]], *, chat: bool, stepwise: bool, top: int = 0,

@@ -175,8 +175,8 @@ def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], top
 def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], tops: list[list] | None = None,
                  top: int = 0, memo: RowMemo | None = None) -> tuple[list[list[float]], list[int]]:
     computed = decider.computed()
-    if decider.prompt_tau is not None:  # PackLLM weights: each member scores its prompt first (its prefill)
-        decider.score_prompts(seqs)
+    if decider.prefills:  # PackLLM weights: each member scores its prompt first (its prefill)
+        decider.prepare(seqs)
         memo = None  # that prefill cuts the prompt into other calls than one feed would: no rows to share
     # 1. every member's ids before each piece (re-sync needs the bytes only, not the members' outputs)
     before: list[dict[int, list[list[int]]]] = [{i: [] for i in computed} for _ in seqs]

@@ -10,6 +10,7 @@ out as trace steps instead (``take_steps``), under the same rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -85,11 +86,12 @@ class Sequence:
             ensembled / decided by agreement skip.
         finished: ``None`` while running, else ``end``, ``stop``, ``length`` or ``cancelled``.
         trace: the step trace of a traced sequence (``None``: not traced, nothing recorded).
-        prompt_scores: with PackLLM weights, each weighted member's mean log-probability per byte of
-            its prompt (member index -> nats per byte; ``None`` until scored).
-        vetoed: steps where selective ensembling's boundary rule took the primary's piece.
+        notes: what the step decision's strategies keep per sequence, by strategy name (e.g. PackLLM's
+            prompt scores, ``tokenfuse.engine.strategies.prompt``).
+        vetoed: steps whose decision a strategy revised (``Decision.vetoed``: selective ensembling's
+            boundary rule took the primary's piece).
         drafted, accepted, draft_k: speculative decoding's pieces proposed, chosen, and the number
-            the next round drafts (0: the configured ``k``).
+            the next round drafts (0: the configured ``k``); ``record_round`` updates them.
     """
 
     index: int
@@ -106,7 +108,7 @@ class Sequence:
     skipped: int = 0
     finished: str | None = None
     trace: Trace | None = None
-    prompt_scores: dict[int, float] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
     vetoed: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -118,6 +120,7 @@ class Sequence:
         """Append ``d``'s piece (or finish on END), check stops and the limit, re-sync the members."""
         before = len(self.output)
         piece = self.space.piece(d.entry) if d.entry != END else b""
+        self.vetoed += d.vetoed
         if self.trace is not None and d.trace is not None:
             self.trace.add(d.trace, before, before + len(piece))
         if d.entry == END:
@@ -147,6 +150,14 @@ class Sequence:
         self.output += self.space.piece(entry)
         self.steps += 1
         self._resync(entry, before)
+
+    def record_round(self, drafted: int, accepted: int, next_k: int | None) -> None:
+        """A speculative round's counts: pieces drafted and accepted, and what the next round drafts
+        (``None``: unchanged)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if next_k is not None:
+            self.draft_k = next_k
 
     def finish(self, reason: str) -> None:
         """End the sequence now (e.g. ``length`` when a member's context is full)."""

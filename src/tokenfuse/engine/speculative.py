@@ -32,27 +32,16 @@ accepted in this one (at least one, at most ``k``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tokenfuse.alignment.union import END
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import common_prefix, positions
+from tokenfuse.engine.options import SpeculativeOptions
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Sequence, StepEvent
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member
-
-
-@dataclass(frozen=True)
-class Speculative:
-    """Speculative decoding's options: the drafter (member index), the most pieces drafted per round
-    and whether that number adapts to the acceptance."""
-
-    draft: int
-    k: int = 4
-    adapt: bool = True
 
 
 def default_drafter(members: list[Member]) -> int:
@@ -65,46 +54,30 @@ def default_drafter(members: list[Member]) -> int:
     return min(sized, key=lambda i: members[i].weight_bytes) if sized else local[0]
 
 
-def check_draft(names: list[str], draft: str | None) -> None:
-    """``speculative.draft`` names a member (or is ``None``); the config checks it through this too."""
-    if draft is not None and draft not in names:
-        raise ConfigError(f"speculative.draft: {draft!r} is not a member (members: {', '.join(names)})")
-
-
-def resolve(options: dict | None, members: list[Member]) -> Speculative | None:
-    """``Speculative`` from the config's ``speculative`` mapping (``draft``: a member name or
-    ``None`` for ``default_drafter``; ``k``; ``adapt``), or ``None`` for plain decoding."""
-    if options is None:
-        return None
-    names = [m.name for m in members]
-    draft = options.get("draft")
-    check_draft(names, draft)
-    i = default_drafter(members) if draft is None else names.index(draft)
-    if not members[i].in_process:
-        raise ConfigError(f"speculative.draft: {draft!r} does not run in this process; choose a local member")
-    k = int(options.get("k", 4))
-    if k < 1:
-        raise ConfigError(f"speculative.k: expected at least 1, got {k}")
-    return Speculative(i, k, bool(options.get("adapt", True)))
-
-
 class Speculator:
-    """Runs speculative rounds for the sequences it can (``eligible``) with the engine's ``Decider``."""
+    """Runs speculative rounds for the sequences it can (``eligible``) with the engine's ``Decider``:
+    ``draft`` the drafter (member index; ``options.draft`` or ``default_drafter``), up to
+    ``options.k`` pieces per round."""
 
-    def __init__(self, decider: Decider, options: Speculative) -> None:
+    def __init__(self, decider: Decider, options: SpeculativeOptions) -> None:
         self.decider = decider
         self.options = options
         self.members = decider.members
+        names = [m.name for m in self.members]
+        self.draft = default_drafter(self.members) if options.draft is None else names.index(options.draft)
+        if not self.members[self.draft].in_process:
+            raise ConfigError(f"speculative.draft: {options.draft!r} does not run in this process; choose a local member")
         self.check = sorted(set(decider.computed()) | {decider.primary})  # every member a decision may read
 
     def eligible(self, s: Sequence) -> bool:
-        """Greedy, untraced, no PackLLM weights, every member that decides in this process."""
-        return (s.sampling.greedy and s.trace is None and self.decider.prompt_tau is None
+        """Greedy, untraced, strategies that allow it (not PackLLM weights), every member that
+        decides in this process."""
+        return (s.sampling.greedy and s.trace is None and self.decider.speculative_ok
                 and all(self.members[i].in_process for i in self.check))
 
     def round(self, s: Sequence) -> list[StepEvent]:
         """One round for ``s`` (see the module docstring): the pieces it emits, in order."""
-        d = self.options.draft
+        d = self.draft
         room = s.max_new_tokens - s.steps - 1  # the last piece before the limit is never drafted
         saved = _save(s)
         drafts, before, own = self._draft(s, min(s.draft_k or self.options.k, room))
@@ -117,16 +90,13 @@ class Speculator:
         events, accepted = self._decide(s, drafts, rows)  # no forward: the caches are untouched
         for st, ids in zip(s.states, cached):  # a cache keeps every position the sequence still holds
             st.n_valid = common_prefix(ids, st.all_ids())
-        s.drafted += len(drafts)
-        s.accepted += accepted
-        if self.options.adapt:
-            s.draft_k = max(1, min(self.options.k, accepted + 1))
+        s.record_round(len(drafts), accepted, max(1, min(self.options.k, accepted + 1)) if self.options.adapt else None)
         return events
 
     def _draft(self, s: Sequence, k: int) -> tuple[list[int], dict[int, list[list[int]]], list[torch.Tensor]]:
         """The drafter's pieces (up to ``k``), every checked member's ids before each of them and
         after the last (``before[i]``), and the drafter's own rows there."""
-        d = self.options.draft
+        d = self.draft
         space = self.decider.space
         umap, rep = space.union.maps[d], space.union.representable
         before: dict[int, list[list[int]]] = {i: [] for i in self.check}

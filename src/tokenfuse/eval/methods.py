@@ -40,7 +40,7 @@ from typing import Any
 
 from tokenfuse.errors import TokenfuseError
 
-# adaptive GaC rows: the parameters each sets and their defaults (combiners.base.AdaptiveParams)
+# adaptive GaC rows: the parameters each sets and their defaults (engine.strategies' Params)
 ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entropy"},
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512}}
 ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS)

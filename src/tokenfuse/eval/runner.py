@@ -178,34 +178,29 @@ def output_record(spec: MethodSpec, task, item: dict, singles: list[dict], *, pr
 
 
 # ---------------------------------------------------------------------------------------- the run
-def build_variant(cfg, members, spec: MethodSpec, *, union, progress: bool = False):
-    """The ``Ensemble`` of one engine row on the already loaded ``members`` (a ``single:`` row is
-    the member alone; any other row the config with the row's overrides, its combiner prepared, the
-    members seen with the row's weights)."""
+def build_variant(cfg, base, spec: MethodSpec, *, progress: bool = False):
+    """The ``Ensemble`` of one engine row on ``base``'s loaded members (a ``single:`` row is the
+    member alone; any other row ``base.variant`` with the config's options and weights after the
+    row's overrides)."""
     from tokenfuse.engine import Ensemble
-    from tokenfuse.load import ensemble_from_members
-    from tokenfuse.members.base import reweighted
-    from tokenfuse.paths import cache_dir
 
     if spec.name.startswith("single:"):
-        member = next(m for m in members if m.name == spec.members[0])
-        return Ensemble.single(member, window=cfg.window, align_cache=cache_dir(cfg.cache_dir) / "alignment",
-                               scoring=cfg.scoring)
+        member = next(m for m in base.members if m.name == spec.members[0])
+        return Ensemble.single(member, window=cfg.window, align_cache=base.align_cache, scoring=cfg.scoring)
     variant = cfg.with_overrides(**spec.overrides, origin=f"method {spec.name}")
-    seen = [reweighted(m, mc.weight) for m, mc in zip(members, variant.members)]
-    return ensemble_from_members(variant, seen, union=union, progress=progress)
+    return base.variant(variant.options, weights=[mc.weight for mc in variant.members], progress=progress)
 
 
-def run_task(cfg, members, union, task, specs: Sequence[MethodSpec],
+def run_task(cfg, base, task, specs: Sequence[MethodSpec],
              settings: EvalSettings) -> dict[str, list[dict]]:
     """Run (or resume) every row of one task; returns the records per method, in item order. With an
     ``auto`` row its choice is made on dev items first (``choose_on_dev``, recorded in
     ``settings.auto_choices``) and the chosen configuration runs with the table's rows."""
     items = task.subset(settings.limits.get(task.name, settings.limit), settings.seed)
     table = [s for s in specs if s.kind != "auto"]
-    chosen = choose_on_dev(cfg, members, union, task, table, settings) if len(table) < len(specs) else None
+    chosen = choose_on_dev(cfg, base, task, table, settings) if len(table) < len(specs) else None
     extra = [chosen] if chosen is not None and chosen.name not in {s.name for s in table} else []
-    records = run_rows(cfg, members, union, task, table + extra, items, settings)
+    records = run_rows(cfg, base, task, table + extra, items, settings)
     if chosen is not None:
         form = task_form(task, settings.mc)
         rows = [{**r, "method": "auto", "chosen": chosen.name} for r in records[chosen.name]]
@@ -216,7 +211,7 @@ def run_task(cfg, members, union, task, specs: Sequence[MethodSpec],
     return records
 
 
-def choose_on_dev(cfg, members, union, task, table: Sequence[MethodSpec], settings: EvalSettings) -> MethodSpec:
+def choose_on_dev(cfg, base, task, table: Sequence[MethodSpec], settings: EvalSettings) -> MethodSpec:
     """``auto`` (``tokenfuse.eval.auto``): every table row and candidate on the dev items, then the
     choice; returns the chosen row or candidate."""
     from tokenfuse.eval import auto
@@ -230,9 +225,9 @@ def choose_on_dev(cfg, members, union, task, table: Sequence[MethodSpec], settin
     # makes dev_items the first of them), every other row and candidate on dev_items.
     member_items = task.dev_subset(max(limit, settings.member_dev_limit or auto.MEMBER_DEV_LIMIT), settings.seed)
     singles = [s for s in table if s.name.startswith("single:")]
-    ranked = run_rows(cfg, members, union, task, singles, member_items, settings, split="dev")
+    ranked = run_rows(cfg, base, task, singles, member_items, settings, split="dev")
     extra = auto.candidates(cfg, ranked)  # they follow the members' dev accuracies; then all rows share forwards
-    dev = run_rows(cfg, members, union, task, [*table, *extra], dev_items, settings, split="dev")
+    dev = run_rows(cfg, base, task, [*table, *extra], dev_items, settings, split="dev")
     choice = auto.choose(dev, ranked)
     spec = next(s for s in [*table, *extra] if s.name == choice.chosen)
     config = auto.chosen_config(cfg, spec)
@@ -246,17 +241,17 @@ def choose_on_dev(cfg, members, union, task, table: Sequence[MethodSpec], settin
     return spec
 
 
-def run_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
+def run_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict],
              settings: EvalSettings, *, split: str = "test") -> dict[str, list[dict]]:
     """Run (or resume) ``specs`` on ``items`` (``split``: ``test``, or ``dev`` for ``auto``'s choice,
     kept apart under ``items/<task>-<form>-dev/``); the records per row, in item order."""
     form = task_form(task, settings.mc)
     where = form if split == "test" else f"{form}-dev"
     out = Path(settings.out)
-    primary = [m.name for m in members].index(cfg.primary_name)
+    primary = [m.name for m in base.members].index(cfg.primary_name)
     engine = [s for s in specs if s.kind == "engine"]
     run_form_rows = run_likelihood_rows if form == "likelihood" else run_generate_rows
-    run_form_rows(cfg, members, union, task, engine, items, settings, where=where)
+    run_form_rows(cfg, base, task, engine, items, settings, where=where)
     records: dict[str, list[dict]] = {}
     for spec in specs:
         path = item_file(out, task.name, where, spec.name)
@@ -270,7 +265,7 @@ def run_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequ
     return records
 
 
-def run_rows_batch_by_batch(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
+def run_rows_batch_by_batch(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict],
                             settings: EvalSettings, *, where: str, batch_size: int,
                             score: Callable[[object, list[dict], object], list[dict]],
                             new_batch: Callable[[], object] = lambda: None,
@@ -293,7 +288,7 @@ def run_rows_batch_by_batch(cfg, members, union, task, specs: Sequence[MethodSpe
     rows = [s for s in specs if todo[s.name]]
     if not rows:
         return
-    variants = {s.name: build_variant(cfg, members, s, union=union, progress=settings.progress) for s in rows}
+    variants = {s.name: build_variant(cfg, base, s, progress=settings.progress) for s in rows}
     pending = [it for it in items if any(str(it["id"]) in todo[s.name] for s in rows)]
     with progress_bar(total=len(items), desc=f"eval {task.name}-{where} ({len(rows)} rows)", unit="item",
                       enabled=settings.progress, initial=len(items) - len(pending)) as bar:
@@ -314,7 +309,7 @@ def run_rows_batch_by_batch(cfg, members, union, task, specs: Sequence[MethodSpe
     gc.collect()
 
 
-def run_generate_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
+def run_generate_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict],
                       settings: EvalSettings, *, where: str = "generate") -> None:
     """The generate form's rows batch by batch: each row takes the batch's prompts from the members'
     pooled contexts the previous row left, so a member prefills a prompt about once for the whole
@@ -325,11 +320,11 @@ def run_generate_rows(cfg, members, union, task, specs: Sequence[MethodSpec], it
     def score(ens, mine, _state):
         return generate_records(ens, task, mine, chat=prompt_form(ens.members), max_new_tokens=limit)
 
-    run_rows_batch_by_batch(cfg, members, union, task, specs, items, settings, where=where,
+    run_rows_batch_by_batch(cfg, base, task, specs, items, settings, where=where,
                             batch_size=settings.batch_size, score=score)
 
 
-def run_likelihood_rows(cfg, members, union, task, specs: Sequence[MethodSpec], items: Sequence[dict],
+def run_likelihood_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict],
                         settings: EvalSettings, *, where: str = "likelihood") -> None:
     """The likelihood form's rows batch by batch, the rows of a batch sharing one ``RowMemo`` (a
     member's forward over the same ids — the same primary member's cuts — is computed once per
@@ -343,7 +338,7 @@ def run_likelihood_rows(cfg, members, union, task, specs: Sequence[MethodSpec], 
         shared[1] += memo.misses
         return f"shared={shared[0] / max(sum(shared), 1):.0%}"
 
-    run_rows_batch_by_batch(cfg, members, union, task, specs, items, settings, where=where,
+    run_rows_batch_by_batch(cfg, base, task, specs, items, settings, where=where,
                             batch_size=max(1, settings.batch_size // 2), new_batch=RowMemo,
                             score=lambda ens, mine, memo: likelihood_records(ens, task, mine, memo=memo),
                             postfix=postfix)
@@ -354,6 +349,7 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
     """Run every task and method of ``settings`` on ``cfg``; write and return the results.
 
     ``members``/``union`` reuse already loaded members (tests); otherwise they are loaded once here.
+    Every row is a variant (``Ensemble.variant``) of the config's ensemble on them.
     """
     from tokenfuse.combiners import REGISTRY
     from tokenfuse.eval.report import summarise, write_outputs
@@ -366,9 +362,12 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
         from tokenfuse.load import load_ensemble
 
         t0 = time.perf_counter()
-        ens = load_ensemble(cfg, progress=settings.progress)
-        members, union = ens.members, ens.union
-        log(f"members loaded in {time.perf_counter() - t0:.1f} s: {', '.join(m.name for m in members)}")
+        base = load_ensemble(cfg, progress=settings.progress)
+        log(f"members loaded in {time.perf_counter() - t0:.1f} s: {', '.join(m.name for m in base.members)}")
+    else:
+        from tokenfuse.load import ensemble_from_members
+
+        base = ensemble_from_members(cfg, members, union=union)
     t_run = time.perf_counter()
     all_records: dict[str, dict[str, list[dict]]] = {}
     forms: dict[str, str] = {}
@@ -376,7 +375,7 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
         form = task_form(task, settings.mc)
         specs = plan_methods(cfg, methods, form=form, registered=list(REGISTRY), log=log)
         t0 = time.perf_counter()
-        all_records[task.name] = run_task(cfg, members, union, task, specs, settings)
+        all_records[task.name] = run_task(cfg, base, task, specs, settings)
         forms[task.name] = form
         log(f"{task.name} ({form}): {len(next(iter(all_records[task.name].values()), []))} items, "
             f"{time.perf_counter() - t0:.0f} s")

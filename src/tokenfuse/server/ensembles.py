@@ -1,5 +1,5 @@
 """The server's ensembles: one ``Ensemble`` per set of per-request options, all sharing the loaded
-members and the union vocabulary (``EnsemblePool``); members seen with another weight (``members.base.Reweighted``)."""
+members and the union vocabulary (``EnsemblePool``, through ``Ensemble.variant``)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,15 @@ from collections import OrderedDict
 from tokenfuse.config import EnsembleConfig, parse_config
 from tokenfuse.engine import Ensemble
 from tokenfuse.errors import ConfigError
-from tokenfuse.members.base import reweighted
 
 
 # ---------------------------------------------------------------------------- ensembles per option set
 
 def config_of(ens: Ensemble) -> EnsembleConfig:
     """A config describing an already built ensemble (for servers built on in-memory members)."""
-    params = {k: v for k, v in ens.combiner.describe().items() if k != "method"}
-    names = [m.name for m in ens.members]
-    return parse_config({
-        "members": [{"name": m.name, "weight": m.weight} for m in ens.members],
-        "method": ens.combiner.name, "params": params, "primary": names[ens.primary],
-        "agreement_skip": ens.agreement_skip, "gate": names[ens.gate] if ens.gate is not None else None,
-        "threshold": ens.threshold, "window": ens.window, "parallel": ens.parallel,
-        "speculative": ({"draft": names[ens.speculator.options.draft], "k": ens.speculator.options.k,
-                         "adapt": ens.speculator.options.adapt} if ens.speculator is not None else None),
-    }, origin="ensemble")
+    return parse_config({**ens.options.model_dump(), "primary": ens.describe()["primary"],
+                         "members": [{"name": m.name, "weight": m.weight, "score": m.score} for m in ens.members]},
+                        origin="ensemble")
 
 
 class EnsemblePool:
@@ -65,12 +57,9 @@ class EnsemblePool:
         return ens
 
     def _build(self, options: dict, down: frozenset[str]) -> Ensemble:
-        from tokenfuse.load import ensemble_from_members
-
         cfg = self.cfg.with_overrides(**options, origin="tokenfuse")  # the one override rule (config.py)
         weights = [0.0 if mc.name in down else mc.weight for mc in cfg.members]
         if all(x <= 0 for x in weights):
             raise ConfigError("no member with a positive weight is left"
                               + (f" (unavailable: {', '.join(sorted(down))})" if down else ""))
-        members = [reweighted(m, x) for m, x in zip(self.members, weights)]
-        return ensemble_from_members(cfg, members, union=self.base.union)
+        return self.base.variant(cfg.options, weights=weights)

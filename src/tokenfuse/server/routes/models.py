@@ -21,8 +21,6 @@ async def get_model(model_id: str, state: StateDep):
 
 
 def model_card(state: ServerState) -> dict:
-    """OpenAI's model object, with the ensemble's members, weights and method under ``"tokenfuse"``."""
-    cfg = state.config
+    """OpenAI's model object, with what the ensemble is (``Ensemble.describe``) under ``"tokenfuse"``."""
     return {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": "tokenfuse",
-            "tokenfuse": {"members": [{"name": m.name, "weight": m.weight} for m in state.ensemble.members],
-                          "method": cfg.method, "params": cfg.params, "gate": cfg.gate, "threshold": cfg.threshold}}
+            "tokenfuse": state.ensemble.describe()}

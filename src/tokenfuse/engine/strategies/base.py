@@ -1,0 +1,96 @@
+"""The step decision's adaptive rules as strategies: each a small unit with its parameters beside its code.
+
+The decision (``tokenfuse.engine.decide.Decider``) orchestrates a step — groups → agreement skip →
+weight factors → combination → choice → revision — and asks its strategies through these hooks
+only (each a no-op by default):
+
+* ``gate()``: ``(member, threshold)``: where that member's top probability is above the threshold,
+  it alone decides the row and no other member runs (at most one strategy gates);
+* ``prepare(seqs)``: before the sequences' first forward (PackLLM scores each prompt: its prefill);
+* ``factors(view, seqs)``: per-row log weight factors for the combiner (``StepView.log_factors``);
+* ``revise(seqs, members, outs, chosen)``: change chosen entries after the choice; returns the rows
+  it changed (counted as ``vetoed`` steps).
+
+A strategy declares ``Params`` (its keys in the method's ``params``, checked together with the
+combiner's own by ``combiners.validate_params``), ``check(options)`` (its rules against the other
+options, checked once, when the options are validated) and ``wanted(options)`` (whether the options
+ask for it). ``prefills``: its ``prepare`` feeds prompts in calls of its own (scoring cannot share
+rows); ``speculative``: it allows speculative rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+import torch
+from pydantic import BaseModel
+
+from tokenfuse.alignment.space import VocabSpace
+from tokenfuse.combiners.base import StepView
+from tokenfuse.engine.pool import MemberOutput, MemberPool
+from tokenfuse.engine.sequence import Sequence
+from tokenfuse.members.base import Member
+
+
+class DecisionContext(Protocol):
+    """What a strategy may use of the decision that binds it (``Decider``)."""
+
+    members: list[Member]
+    names: list[str]
+    space: VocabSpace
+    primary: int
+    pool: MemberPool
+    timer: Any  # ``StageTimer``: ``timer.stage(name)`` is a context manager
+
+    def forward(self, which: list[int], seqs: list[Sequence], *, trace_k: int = 0) -> dict[int, MemberOutput]: ...
+
+
+class Strategy:
+    """One adaptive rule of the step decision (see the module docstring)."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[BaseModel] | None] = None
+    prefills: ClassVar[bool] = False
+    speculative: ClassVar[bool] = True
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+        self.params = self.Params.model_validate(_own(self.Params, options.params)) if self.Params else None
+
+    @classmethod
+    def wanted(cls, options: Any) -> bool:
+        """Whether ``options`` (an ``EnsembleOptions``) ask for this strategy."""
+        return False
+
+    @classmethod
+    def check(cls, options: Any) -> None:
+        """Raise ``ConfigError`` (naming the field) where ``options`` contradict this strategy."""
+
+    def bind(self, decider: DecisionContext) -> None:
+        """Called once by the decision that uses the strategy."""
+        self.decider = decider
+
+    def gate(self) -> tuple[int, float] | None:
+        return None
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Before a forward of ``seqs``."""
+
+    def factors(self, view: StepView, seqs: list[Sequence] | None) -> dict[int, torch.Tensor]:
+        """Per computed member, a per-row log weight factor ``float64[R]`` (none: ``{}``)."""
+        return {}
+
+    def revise(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
+               chosen: dict[int, int]) -> set[int]:
+        """Change ``chosen`` (row -> union entry) in place; the rows changed."""
+        return set()
+
+
+def _own(model: type[BaseModel], params: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``params`` that ``model`` declares."""
+    return {k: v for k, v in params.items() if k in model.model_fields}
+
+
+def param(options: Any, model: type[BaseModel], key: str) -> Any:
+    """``options.params[key]``, or the default ``model`` declares for it."""
+    return options.params.get(key, model.model_fields[key].default)
