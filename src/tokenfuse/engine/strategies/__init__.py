@@ -1,7 +1,8 @@
-"""The step decision's strategies (``base.Strategy``): thresholded mode (``gate``), selective
-ensembling (``select``), per-prompt weights (``prompt``) and per-step confidence weights
-(``confidence``). ``STRATEGIES`` is their order: gates first, then factors in the order they are
-added to each member's log weight (prompt, then confidence)."""
+"""The step decision's strategies (``base.Strategy``), registered in order: thresholded mode
+(``gate``), selective ensembling (``select``), per-prompt weights (``prompt``) and per-step confidence
+weights (``confidence``); a new one plugs in with ``register`` (after them). The order is the order
+of their hooks: gates first, factors added to each member's log weight in this order (prompt, then
+confidence), revisions in turn."""
 
 from __future__ import annotations
 
@@ -15,7 +16,22 @@ from tokenfuse.engine.strategies.gate import Gate
 from tokenfuse.engine.strategies.prompt import PromptWeights
 from tokenfuse.engine.strategies.select import Select
 
-STRATEGIES: tuple[type[Strategy], ...] = (Gate, Select, PromptWeights, Confidence)
+STRATEGIES: list[type[Strategy]] = []
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make ``cls`` one of the decision's strategies (after those registered before)."""
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)) or not getattr(cls, "name", None):
+        raise TypeError(f"register: {cls!r} is not a named Strategy subclass")
+    if any(s.name == cls.name for s in STRATEGIES if s is not cls):
+        raise ValueError(f"register: a strategy named {cls.name!r} is already registered")
+    if cls not in STRATEGIES:
+        STRATEGIES.append(cls)
+    return cls
+
+
+for _builtin in (Gate, Select, PromptWeights, Confidence):
+    register(_builtin)
 
 
 def strategy_params() -> tuple[type[BaseModel], ...]:
@@ -34,4 +50,4 @@ def build_strategies(options: Any) -> list[Strategy]:
     return [s(options) for s in STRATEGIES if s.wanted(options)]
 
 
-__all__ = ["STRATEGIES", "Strategy", "build_strategies", "check_strategies", "strategy_params"]
+__all__ = ["STRATEGIES", "Strategy", "build_strategies", "check_strategies", "register", "strategy_params"]

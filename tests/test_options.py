@@ -1,0 +1,113 @@
+"""What an ensemble is, as one value (``EnsembleOptions``), its one self-description
+(``Ensemble.describe``), variants on loaded members (``Ensemble.variant``) and strategies that plug
+into the step decision without touching it (``tokenfuse.engine.strategies.register``)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tokenfuse.alignment.union import END
+from tokenfuse.config import parse_config
+from tokenfuse.engine import Ensemble, EnsembleOptions
+from tokenfuse.engine.strategies import STRATEGIES, Strategy, register
+from tokenfuse.errors import ConfigError
+
+PROMPT = "Once upon a time there was"
+
+
+def test_options_are_frozen_and_validated_once():
+    o = EnsembleOptions(method="unite", params={"k": 3}, gate="A", threshold=0.4)
+    with pytest.raises(ValidationError):
+        o.method = "gac"
+    with pytest.raises(ValidationError, match="params.select: selective ensembling gates on the primary member"):
+        EnsembleOptions(params={"select": 0.5}, gate="A", threshold=0.5)
+    with pytest.raises(ValidationError, match="threshold: gate 'A' needs a threshold"):
+        EnsembleOptions(gate="A")
+    with pytest.raises(ValidationError, match="params.k: unite: k must be a positive integer"):
+        EnsembleOptions(method="unite", params={"k": 0})
+    with pytest.raises(ValidationError, match=r"params.colour: gac: unexpected keyword argument 'colour' \(known: select"):
+        EnsembleOptions(params={"colour": 1})
+
+
+def test_replace_is_the_override_rule():
+    o = EnsembleOptions(method="unite", params={"k": 3, "select": 0.5}, gate=None)
+    assert o.replace(params={"k": 4}).params == {"k": 4, "select": 0.5}  # merged key by key
+    assert o.replace(method="unite").params == {"k": 3, "select": 0.5}  # the same method keeps them
+    assert o.replace(method="gac").params == {}  # another method's parameters do not carry over
+    gated = o.replace(params={"select": None}, gate="A", threshold=0.3)
+    assert (gated.gate, gated.threshold) == ("A", 0.3) and gated.replace(gate=None, threshold=None).gate is None
+    assert o.replace(speculative={"k": 2}).speculative.k == 2
+    with pytest.raises(ValidationError, match="speculative.k"):
+        o.replace(speculative={"k": 0})
+    cfg = parse_config({"members": [{"name": "A"}, {"name": "B"}], "method": "unite", "params": {"k": 3}})
+    assert cfg.options == EnsembleOptions(method="unite", params={"k": 3})  # a config is its options + the rest
+    assert cfg.with_overrides(method="gac").options == cfg.options.replace(method="gac")
+
+
+def test_members_are_checked_against_the_options(members):
+    with pytest.raises(ConfigError, match=r"gate: 'Z' is not a member \(members: A, B, C\)"):
+        Ensemble(members, gate="Z", threshold=0.5)
+    with pytest.raises(ConfigError, match="speculative.draft: 'Z' is not a member"):
+        Ensemble(members, EnsembleOptions(speculative={"draft": "Z"}))
+    with pytest.raises(ConfigError, match="members: names must be unique; repeated: A"):
+        Ensemble([members[0], members[0]])
+
+
+def test_describe_is_the_one_self_description(members, align_cache):
+    ens = Ensemble(members, EnsembleOptions(method="unite", params={"k": 4}, gate="B", threshold=0.3,
+                                            speculative={"k": 2}), align_cache=align_cache)
+    d = ens.describe()
+    assert d == {"members": [{"name": "A", "weight": 1.0}, {"name": "B", "weight": 1.0}, {"name": "C", "weight": 1.0}],
+                 "method": "unite", "params": {"k": 4}, "primary": "A", "agreement_skip": None, "gate": "B",
+                 "threshold": 0.3, "window": 8, "scoring": "one-forward", "parallel": True,
+                 "speculative": {"draft": d["speculative"]["draft"], "k": 2, "adapt": True}}
+    assert d["speculative"]["draft"] in {"A", "B", "C"}
+    assert Ensemble(members, primary="C", align_cache=align_cache).describe()["primary"] == "C"
+
+
+def test_a_variant_shares_the_members_and_the_union(members, align_cache):
+    base = Ensemble(members, align_cache=align_cache)
+    v = base.variant(base.options.replace(method="unite"), weights={"C": 0.0})
+    assert v.union is base.union and [m.name for m in v.members] == ["A", "B", "C"]
+    assert [m["weight"] for m in v.describe()["members"]] == [1.0, 1.0, 0.0] and v.describe()["method"] == "unite"
+    assert [m.weight for m in base.members] == [1.0, 1.0, 1.0]  # the members themselves keep their weights
+    pair = Ensemble(members[:2], method="unite", align_cache=align_cache)
+    assert v.generate(PROMPT, max_new_tokens=8).text == pair.generate(PROMPT, max_new_tokens=8).text
+
+
+class _EndParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    end_at_once: bool = False
+
+
+class _EndAtOnce(Strategy):
+    """A plug-in for the test: every combined choice becomes END."""
+
+    name = "end_at_once"
+    Params = _EndParams
+
+    @classmethod
+    def wanted(cls, options) -> bool:
+        return bool(options.params.get("end_at_once"))
+
+    def revise(self, seqs, members, outs, chosen):
+        for r in chosen:
+            chosen[r] = END
+        return set(chosen)
+
+
+def test_a_strategy_plugs_in_without_touching_the_decision(members, align_cache):
+    register(_EndAtOnce)
+    try:
+        g = Ensemble(members, params={"end_at_once": True}, agreement_skip=False,
+                     align_cache=align_cache).generate(PROMPT, max_new_tokens=8)
+        assert (g.steps, g.finish_reason, g.vetoed_steps, g.text) == (0, "end", 1, "")
+        plain = Ensemble(members, align_cache=align_cache).generate(PROMPT, max_new_tokens=8)
+        assert plain.steps == 8
+        with pytest.raises(ConfigError, match="params.end_at_once: deepen: unexpected keyword argument"):
+            Ensemble(members, method="deepen", params={"end_at_once": True})
+    finally:
+        STRATEGIES.remove(_EndAtOnce)
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'end_at_once'"):
+        Ensemble(members, params={"end_at_once": True})
