@@ -131,7 +131,7 @@ def test_select_gates_on_the_primary_confidence(trio):
 def _view(logprobs: list[np.ndarray], weights: list[float]) -> StepView:
     rows = logprobs[0].shape[0]
     return StepView(space=None, models=[], states={i: [None] * rows for i in range(len(logprobs))},
-                    members=list(range(len(logprobs))), weights=weights,
+                    computed=list(range(len(logprobs))), weights=weights,
                     logprobs={i: torch.log_softmax(torch.from_numpy(lp), -1) for i, lp in enumerate(logprobs)})
 
 
@@ -170,7 +170,7 @@ def test_confidence_weights_are_the_formula(a, b, kind, beta, w):
 
 def test_confidence_top_k_entropy_is_over_the_renormalised_top_k():
     lp = torch.log(torch.tensor([[0.5, 0.3]]))
-    view = StepView(space=None, models=[], states={0: [None], 1: [None]}, members=[0, 1], weights=[1.0, 1.0],
+    view = StepView(space=None, models=[], states={0: [None], 1: [None]}, computed=[0, 1], weights=[1.0, 1.0],
                     topk={0: (lp, torch.tensor([[3, 4]])), 1: (torch.log(torch.tensor([[0.2, 0.2]])),
                                                           torch.tensor([[1, 2]]))})
     (_, w0), (_, w1) = _confidence_weights(view, "unite", confidence="entropy")

@@ -15,7 +15,7 @@ from conftest import tiny_model
 import tokenfuse.select as select_mod
 from tokenfuse.config import EnsembleConfig, load_config, parse_config
 from tokenfuse.errors import TokenfuseError
-from tokenfuse.select import (CandidateResult, Decision, add_parser, config_yaml, format_table, length_ratio,
+from tokenfuse.select import (CandidateResult, Verdict, add_parser, config_yaml, format_table, length_ratio,
                               run, select_members, selected_config)
 
 DATA = Path(__file__).resolve().parent / "data" / "bench"
@@ -27,7 +27,7 @@ def cand(name: str, accuracy: float, mean_bytes: float) -> CandidateResult:
     return CandidateResult(name, accuracy, mean_bytes, 50)
 
 
-def taken(decisions: list[Decision]) -> list[str]:
+def taken(decisions: list[Verdict]) -> list[str]:
     return [d.name for d in decisions if d.taken]
 
 

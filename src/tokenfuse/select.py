@@ -71,7 +71,7 @@ class CandidateResult:
 
 
 @dataclass(frozen=True)
-class Decision:
+class Verdict:
     """Whether a candidate joins the ensemble, and why; ``rank`` 1 is the most accurate."""
 
     name: str
@@ -83,7 +83,7 @@ class Decision:
 @dataclass(frozen=True)
 class Selection:
     results: list[CandidateResult]
-    decisions: list[Decision]
+    decisions: list[Verdict]
     config: Any  # EnsembleConfig
 
     @property
@@ -101,7 +101,7 @@ def length_ratio(a: float, b: float) -> float:
 
 
 def select_members(results: Sequence[CandidateResult], *, max_members: int = DEFAULT_MAX_MEMBERS,
-                   max_gap: float = MAX_GAP_POINTS, max_ratio: float = MAX_LENGTH_RATIO) -> list[Decision]:
+                   max_gap: float = MAX_GAP_POINTS, max_ratio: float = MAX_LENGTH_RATIO) -> list[Verdict]:
     """The determine-then-ensemble rule over measured numbers; decisions in ranked order.
 
     ``max_gap`` is in accuracy points (percent); both bounds are inclusive.
@@ -113,7 +113,7 @@ def select_members(results: Sequence[CandidateResult], *, max_members: int = DEF
         return []
     best = ranked[0]
     chosen: list[CandidateResult] = [best]
-    decisions = [Decision(best.name, 1, True, "best accuracy")]
+    decisions = [Verdict(best.name, 1, True, "best accuracy")]
     for rank, r in enumerate(ranked[1:], start=2):
         gap = 100.0 * (best.accuracy - r.accuracy)
         # the chosen member whose response length is furthest from this candidate's
@@ -130,7 +130,7 @@ def select_members(results: Sequence[CandidateResult], *, max_members: int = DEF
             reason = f"{gap:.1f} points below the best, length within {worst:.2f}x of the chosen"
             taken = True
             chosen.append(r)
-        decisions.append(Decision(r.name, rank, taken, reason))
+        decisions.append(Verdict(r.name, rank, taken, reason))
     return decisions
 
 
@@ -190,7 +190,7 @@ def run_candidates(cfg, task, items: Sequence[dict], *, batch_size: int = 8, pro
     return results
 
 
-def selected_config(cfg, results: Sequence[CandidateResult], decisions: Sequence[Decision]):
+def selected_config(cfg, results: Sequence[CandidateResult], decisions: Sequence[Verdict]):
     """The chosen ensemble as an ``EnsembleConfig`` (see the module docstring)."""
     acc = {r.name: r.accuracy for r in results}
     by_name = {m.name: m for m in cfg.members}
@@ -218,7 +218,7 @@ def run_selection(cfg, task, items: Sequence[dict], *, max_members: int = DEFAUL
 
 
 # ---------------------------------------------------------------------------------------- output
-def format_table(results: Sequence[CandidateResult], decisions: Sequence[Decision]) -> str:
+def format_table(results: Sequence[CandidateResult], decisions: Sequence[Verdict]) -> str:
     """One row per candidate in ranked order: its numbers and the decision with its reason."""
     by_name = {r.name: r for r in results}
     width = max([len("candidate")] + [len(r.name) for r in results])

@@ -83,7 +83,7 @@ class StepView:
         space: the members' vocabulary space (``union``, ``projector``, ``aligner``, ``codecs``).
         models: every member, in ensemble order (for ``token_logprobs``).
         states: per computed member, its ``SeqState`` of every row.
-        members: the computed members (indices into ``models``), in ensemble order.
+        computed: the computed members (indices into ``models``), in ensemble order.
         weights: their raw weights.
         logprobs: full ``float32[R, V_i]`` log-probabilities per member (``needs == "full"``).
         topk: ``(logprobs float32[R, k], ids int64[R, k])`` per member (``needs == "topk"``).
@@ -95,7 +95,7 @@ class StepView:
     space: VocabSpace
     models: Sequence[Member]
     states: dict[int, list[SeqState]]
-    members: list[int]
+    computed: list[int]
     weights: list[float]
     logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -164,7 +164,7 @@ class Combiner(ABC):
         """The computed members with a positive weight and their weights, not normalised: the
         configured weights (floats) or, with per-row factors (``view.log_factors``), ``float64[R]``
         per member, scaled so each row's largest is 1."""
-        live = [(i, w) for i, w in zip(view.members, view.weights) if w > 0]
+        live = [(i, w) for i, w in zip(view.computed, view.weights) if w > 0]
         if not any(i in view.log_factors for i, _ in live):
             return live
         logw = torch.zeros(view.rows, len(live), dtype=torch.float64)

@@ -81,7 +81,7 @@ class UniTE(Combiner):
         """Each row's candidate union entries (sorted)."""
         rows: list[set[int]] = [set() for _ in range(view.rows)]
         rep = self.union.representable
-        for i in view.members:
+        for i in view.computed:
             entries = self.proj.maps[i][view.topk[i][1]]
             for r, row in enumerate(entries.tolist()):
                 rows[r].update(e for e in row if e >= 0 and rep[e])

@@ -35,11 +35,10 @@ import torch
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, StepView
-from tokenfuse.engine.decision import Decision
 from tokenfuse.engine.options import EnsembleOptions
 from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import choose
-from tokenfuse.engine.sequence import Sequence
+from tokenfuse.engine.sequence import Decision, Sequence
 from tokenfuse.engine.strategies import Strategy, build_strategies
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import record_step
@@ -126,7 +125,7 @@ class Decider:
         strategies' per-row log weight factors summed in their order; ``seqs`` (the rows' sequences)
         carry what strategies keep per sequence (PackLLM's prompt scores)."""
         view = StepView(space=self.space, models=self.members, states=states,
-                        members=members, weights=[self.members[i].weight for i in members], stage=self.timer.stage)
+                        computed=members, weights=[self.members[i].weight for i in members], stage=self.timer.stage)
         for i in members:
             o = outs[i].rows(pick)
             if o.logprobs is not None:

@@ -6,7 +6,7 @@ or END) is chosen, and every member is re-synchronised on the longer output. Not
 shared between members. Where each part lives:
 
 - ``sequence.Sequence``: one sequence's member states, output, stops, finishing and text out;
-- ``decide.Decider``: which members run, agreement skip, combination and choice (a ``Decision``);
+- ``decide.Decider``: which members run, agreement skip, combination and choice (a ``sequence.Decision``);
 - ``pool.MemberPool``: the members' forward passes, in threads;
 - ``likelihood``: teacher forcing; ``timer.StageTimer``: where the time goes;
 - ``trace``: the step trace of a sequence opened with ``trace`` (nothing is recorded otherwise).

@@ -67,7 +67,7 @@ class DeePEnCombiner(Combiner):
         self.n_choices = self.params.n_choices
         self.adapt = self.params.adapt
         self.options = {k: v for k, v in self.params.model_dump(exclude_unset=True).items() if k in _OPTIONS}
-        self.method = None
+        self.fuser = None  # the DeePEn algorithm on these members (``relative.DeePEn``), from ``bind``
 
     def describe(self) -> dict:
         return {"method": self.name, "main": self.main_name, **self.options}
@@ -96,7 +96,7 @@ class DeePEnCombiner(Combiner):
             except ValueError as err:
                 raise ConfigError(f"params.accuracies: {err}") from None
         try:
-            self.method = DeePEn(members, space.union, main=self.main, cache_dir=setup.cache_dir, **self.options)
+            self.fuser = DeePEn(members, space.union, main=self.main, cache_dir=setup.cache_dir, **self.options)
         except ValueError as err:
             raise ConfigError(f"params: deepen: {err}") from None
         maps = torch.from_numpy(space.union.maps[self.main])
@@ -106,18 +106,18 @@ class DeePEnCombiner(Combiner):
 
     def prepare(self, *, progress: bool = True) -> float:
         """Load or build the relative matrices now (otherwise on the first ensembled step)."""
-        return self.method.prepare(progress=progress)
+        return self.fuser.prepare(progress=progress)
 
     def _weights(self, view: StepView) -> dict[int, float]:
         names = view.space.names
         if self.alpha is not None:
-            return {i: self.alpha[names[i]] for i in view.members}
-        return dict(zip(view.members, view.weights))
+            return {i: self.alpha[names[i]] for i in view.computed}
+        return dict(zip(view.computed, view.weights))
 
     def _fused(self, view: StepView) -> torch.Tensor:
         if self.main not in view.logprobs:
             raise ConfigError("deepen: the main member must run at every ensembled step")
-        return self.method.fuse(view.logprobs, self._weights(view))
+        return self.fuser.fuse(view.logprobs, self._weights(view))
 
     def _probs(self, z: torch.Tensor) -> torch.Tensor:
         v = min(z.shape[-1], self.valid.numel())

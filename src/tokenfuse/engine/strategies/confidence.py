@@ -35,7 +35,7 @@ class Confidence(Strategy):
                 and param(options, ConfidenceParams, "sharpness") > 0)
 
     def factors(self, view: StepView, seqs) -> dict[int, torch.Tensor]:
-        live = [i for i, w in zip(view.members, view.weights) if w > 0]
+        live = [i for i, w in zip(view.computed, view.weights) if w > 0]
         if len(live) < 2:
             return {}
         p = self.params

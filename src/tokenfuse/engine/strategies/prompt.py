@@ -57,7 +57,7 @@ class PromptWeights(Strategy):
             s.notes[self.name] = {i: got[i][k] for i in weighted}
 
     def factors(self, view: StepView, seqs) -> dict[int, torch.Tensor]:
-        if len(view.members) < 2:
+        if len(view.computed) < 2:
             return {}
         if seqs is None:
             raise ValueError("params.prompt_weights: a view of rows without their sequences has no prompt weights")
@@ -65,7 +65,7 @@ class PromptWeights(Strategy):
         tau = self.params.prompt_weights
         scores = [s.notes[self.name] for s in seqs]
         return {i: torch.tensor([sc[i] / tau for sc in scores], dtype=torch.float64)
-                for i in view.members if i in scores[0]}
+                for i in view.computed if i in scores[0]}
 
 
 def prompt_logprob_per_byte(member: Member, st: SeqState, *, last_bytes: int | None = None) -> float:
