@@ -50,9 +50,9 @@ class MemberConfig(_Strict):
     trust_remote_code: bool = False
     n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
     n_threads: int | None = Field(None, ge=1)  # llamacpp: fixed threads (default: the cores shared out per call)
-    multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
+    multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (docs/benchmarks.md)
     prefix_cache: bool = True  # llamacpp: a new sequence reuses the cached keys/values of a shared prefix
-    exact_calls: bool = False  # llamacpp: numbers independent of how ids are cut into calls (see README)
+    exact_calls: bool = False  # llamacpp: numbers independent of how ids are cut into calls (docs/methods.md)
     score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member
     # backend openai: a model behind an OpenAI-compatible server (docs/serving.md)
     base_url: str | None = None  # e.g. http://127.0.0.1:8080/v1
@@ -122,7 +122,7 @@ class EnsembleConfig(_Strict):
     # likelihood scoring: each member's ids fed in as few chunked forwards as they allow, or piece by
     # piece (the reference path; docs/evaluation.md, "One-forward scoring")
     scoring: Literal["one-forward", "stepwise"] = "one-forward"
-    parallel: bool = True  # forward members in threads (measured faster on a 2-core CPU; see README)
+    parallel: bool = True  # forward members in threads (measured faster on a 2-core CPU; docs/benchmarks.md)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     cache_dir: str | None = None
     placement: Literal["local", "ray"] = "local"  # ray: each member in a Ray actor (extra tokenfuse[ray])
@@ -131,7 +131,7 @@ class EnsembleConfig(_Strict):
     ray_max_restarts: int = Field(0, ge=0)  # ray: restarts of a dead member actor (its sequences are re-sent whole)
     ray_call_timeout: float | None = Field(None, gt=0)  # ray: seconds before a member call counts as unavailable
     on_member_failure: Literal["error", "skip"] = "error"  # skip: a failed remote/Ray member is left out
-    # greedy speculative decoding; off by default (on the bundled llama.cpp members it was measured slower: README)
+    # greedy speculative decoding; off by default (on the bundled llama.cpp members it was measured slower: docs/benchmarks.md)
     speculative: SpeculativeConfig | None = None
 
     @model_validator(mode="after")

@@ -10,7 +10,7 @@ Each combiner declares its parameters as a pydantic model (``Params``); ``get_co
 ``validate_params`` check a method's parameters through it, so the config, the command line and
 the server's per-request options report a bad parameter the same way (``params.<key>: ...``).
 
-``AdaptiveParams`` are the adaptive options GaC and UniTE share (docs/evaluation.md, "Adaptive
+``AdaptiveParams`` are the adaptive options GaC and UniTE share (docs/methods.md, "Adaptive
 combination"): per-step weights from each member's confidence (``confidence``, applied here, in
 ``Combiner.weights``), per-prompt weights from each member's likelihood of the prompt
 (``prompt_weights``, PackLLM: the engine scores the prompt and hands the factors over in

@@ -5,7 +5,7 @@ the weighted average ``q = Σ w_i p_i M_i / Σ w_i`` (§4.3's weighted form; uni
 Eq. 3). Thresholded mode (Eq. 5) is not a separate combiner: the engine runs only the gate
 member when its top probability exceeds ``t`` and combines whoever ran.
 
-Adaptive options (``AdaptiveParams``, docs/evaluation.md "Adaptive combination"): ``confidence``
+Adaptive options (``AdaptiveParams``, docs/methods.md "Adaptive combination"): ``confidence``
 scales each member's weight per step by its confidence; ``prompt_weights`` per prompt by its
 likelihood of the prompt (PackLLM-sim); ``select`` ensembles only where the primary member is unsure
 and the members disagree (SAFE-style; the engine runs it). The average stays ``Σ w_i p_i / Σ w_i``,

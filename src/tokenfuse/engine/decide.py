@@ -13,7 +13,7 @@ For a batch of sequences at one step:
 4. **Choice**: greedy (exact ties go to the primary member's preference, then the smaller bytes) or
    sampling with the sequence's own generator.
 
-Adaptive options (the combiner's ``AdaptiveParams``, docs/evaluation.md "Adaptive combination"):
+Adaptive options (the combiner's ``AdaptiveParams``, docs/methods.md "Adaptive combination"):
 
 * ``select`` (SAFE-style selective ensembling) is thresholded mode with the primary member as the
   gate and ``select`` as the threshold, plus a boundary rule on the rows the combination decides:

@@ -77,8 +77,8 @@ class Ensemble:
         gate, threshold: thresholded mode (GaC Eq. 5): the gate member runs every step; the others
             only when the gate's top probability is ``<= threshold``.
         window: look-behind window (member tokens) for re-synchronisation.
-        parallel: forward the members in threads instead of one after another (see the README's
-            benchmark section for which is faster on a 2-core CPU).
+        parallel: forward the members in threads instead of one after another (see
+            docs/benchmarks.md for which is faster on a 2-core CPU).
         align_cache: directory for cached alignment tables (``None``: no disk cache).
         union: an already built union of these members' vocabularies (e.g. shared by a server's
             ensembles), else built or loaded.
