@@ -3,7 +3,7 @@
 For each method file in both `items/<task>-<form>/` directories: the items in both, how many of them
 changed their log-probabilities (likelihood form; and the largest change), how many changed their
 choice (the option picked, or in the generate form the output text), and the correct count in each. E.g. the MMLU records before and after the sliding-window fix
-(docs/evaluation.md): unpack `git show eb73293^:docs/results/large/items-mmlu.tar.gz` into one
+(docs/results.md): unpack `git show eb73293^:docs/results/large/items-mmlu.tar.gz` into one
 directory and the current `docs/results/large/items-mmlu.tar.gz` into another.
 
 Usage: .venv/bin/python scripts/compare_records.py OLD/items/mmlu-likelihood NEW/items/mmlu-likelihood

@@ -1,7 +1,7 @@
 """How many evaluated sequences pass a length in a member's ids.
 
 llama.cpp gives another set of numbers to a copied cache longer than a sliding window (Gemma-3:
-512; README, "Prefix cache"), so only sequences past it could be touched by that fix. Per task, on
+512; docs/methods.md, "Prefix cache"), so only sequences past it could be touched by that fix. Per task, on
 the items `tokenfuse eval --limit N` evaluates and on `auto`'s dev items, prints the longest
 sequence and how many pass `--over`: for a multiple-choice task its likelihood form (the context
 with its longest option), for the others the raw few-shot prompt (what a member without a chat

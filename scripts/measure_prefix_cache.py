@@ -1,4 +1,4 @@
-"""The llama.cpp prefix cache, on against off (the figures in the README's "Prefix cache" bullet).
+"""The llama.cpp prefix cache, on against off (the figures in docs/methods.md's "Prefix cache" bullet).
 
 1. Per bundled member: a 360-token prompt ending in four different options, one after another;
    the first is prefilled, the next ones reuse its cache. Prints ms per option and the largest

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace-k", type=int, default=5, metavar="K", help="top-k per member in --trace (default 5)")
     g.add_argument("--speculative", action="store_true",
                    help="speculative decoding (greedy only; the same output as without it on transformers members, "
-                        "not always on llama.cpp ones, and measured slower there: README)")
+                        "not always on llama.cpp ones, and measured slower there: docs/benchmarks.md)")
     g.add_argument("--draft", metavar="NAME", help="the drafting member (implies --speculative; default: the smallest)")
     g.add_argument("--draft-k", type=_positive, metavar="K", help="pieces drafted per round at most (implies "
                                                                    "--speculative; default 4)")

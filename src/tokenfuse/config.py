@@ -51,9 +51,9 @@ class MemberConfig(_Strict):
     trust_remote_code: bool = False
     n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
     n_threads: int | None = Field(None, ge=1)  # llamacpp: fixed threads (default: the cores shared out per call)
-    multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (see README)
+    multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (docs/benchmarks.md)
     prefix_cache: bool = True  # llamacpp: a new sequence reuses the cached keys/values of a shared prefix
-    exact_calls: bool = False  # llamacpp: numbers independent of how ids are cut into calls (see README)
+    exact_calls: bool = False  # llamacpp: numbers independent of how ids are cut into calls (docs/methods.md)
     score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member
     # backend openai: a model behind an OpenAI-compatible server (docs/serving.md)
     base_url: str | None = None  # e.g. http://127.0.0.1:8080/v1

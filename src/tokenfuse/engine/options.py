@@ -47,9 +47,13 @@ class EnsembleOptions(BaseModel):
       (``None``: on for greedy decoding with combiners where this is exact, ``gac`` and ``unite``);
     * ``gate``, ``threshold``: thresholded mode (GaC Eq. 5), each needs the other;
     * ``window``: look-behind window (member tokens) for re-synchronisation;
-    * ``scoring``: ``loglikelihood``'s path, ``one-forward`` or ``stepwise`` (the reference);
-    * ``parallel``: forward the members in threads;
-    * ``speculative``: speculative decoding of greedy sequences (``None``: off).
+    * ``scoring``: ``loglikelihood``'s path, ``one-forward`` or ``stepwise`` (the reference;
+      docs/evaluation.md, "One-forward scoring");
+    * ``parallel``: forward the members in threads (measured faster on a 2-core CPU; docs/benchmarks.md);
+    * ``speculative``: speculative decoding of greedy sequences (``None``: off; on the bundled llama.cpp
+      members it was measured slower: docs/benchmarks.md).
+
+    The adaptive parameters and what they do: docs/methods.md, "Adaptive combination".
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

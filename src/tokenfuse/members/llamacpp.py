@@ -200,7 +200,7 @@ class LlamaCppMember(LocalMember):
         self.prefix_cache = prefix_cache
         self.prefix_stats = {"sequences": 0, "reused": 0, "copied": 0, "fed": 0}
         # multi_seq > 0: all sequences share one context with that many sequence ids, and a step
-        # decodes every sequence's new tokens in one llama.cpp batch (see README: measured slower).
+        # decodes every sequence's new tokens in one llama.cpp batch (opt-in: docs/benchmarks.md, "Batched decoding").
         self.multi_seq = multi_seq
         self._multi: _Slot | None = None
         self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
