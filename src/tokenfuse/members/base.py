@@ -182,6 +182,22 @@ class Member(ABC):
             ids = [start]
         return list(ids)
 
+    def ids_for_prompt(self, prompt: str | Sequence[dict], *, chat: bool = False, raw: str | None = None) -> list[int]:
+        """Its ids for a prompt: text as is (or, with ``chat``, as one user message), messages through its
+        own chat template; without one, ``raw`` (a two-form prompt's base-model text) when given,
+        else the plain rendering (``render_chat``)."""
+        messages = [{"role": "user", "content": prompt}] if (chat and isinstance(prompt, str)) else prompt
+        if isinstance(messages, str):
+            return self.encode_prompt(messages)
+        text, templated = self.render_chat(messages)
+        if raw is not None and not templated:
+            text = raw
+        return self.encode_prompt(text, templated=templated)
+
+    def prompt_token_count(self, prompt: str | Sequence[dict], *, chat: bool = False, raw: str | None = None) -> int:
+        """How many ids the prompt takes in its context (``ids_for_prompt``'s, without opening a sequence)."""
+        return len(self.ids_for_prompt(prompt, chat=chat, raw=raw))
+
     # ------------------------------------------------------------------ state and compute
     def new_state(self, prompt_ids: Sequence[int]) -> SeqState:
         return SeqState(prompt_ids=list(prompt_ids))
