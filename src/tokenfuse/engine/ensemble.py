@@ -29,7 +29,7 @@ from tokenfuse.combiners import Setup, get_combiner
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import Likelihood, RowMemo, score
 from tokenfuse.engine.pool import MemberPool
-from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids
+from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids, prompt_token_count
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sequence import Generation, Sequence, StepEvent
 from tokenfuse.engine.options import EnsembleOptions, options_error, own_params
@@ -273,3 +273,7 @@ class Ensemble:
         finally:
             for s in seqs:
                 self.close(s)
+
+    def prompt_token_counts(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
+        """How many ids each member (ensemble order) has for ``prompt``, as ``open`` encodes it; opens nothing."""
+        return [prompt_token_count(m, prompt, chat=chat) for m in self.members]

@@ -54,7 +54,7 @@ import torch
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Sequence
-from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.base import Member, SeqState, common_prefix
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def positions(member: Member, final: SeqState, before: list[list[int]]) -> list[
             end += 1
         last = before[end - 1]
         # feed ``last`` (plus nothing more): the state's ids become it, the cache keeps the common prefix
-        final.n_valid = min(final.n_valid, common_prefix(final.all_ids()[: final.n_valid], last), len(before[j]) - 1)
+        final.drop_cache_after(min(common_prefix(final.cached_ids(), last), len(before[j]) - 1))
         _set_ids(final, last)
         out.extend(member.logprobs_at(final, [len(ids) for ids in before[j:end]]))
         j = end
@@ -261,16 +261,6 @@ def positions(member: Member, final: SeqState, before: list[list[int]]) -> list[
 
 def _is_prefix(a: list[int], b: list[int]) -> bool:
     return len(a) < len(b) and b[: len(a)] == a
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the common prefix of two id lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _set_ids(st: SeqState, ids: list[int]) -> None:

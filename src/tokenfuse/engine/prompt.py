@@ -22,17 +22,22 @@ Prompt = str | Sequence[dict] | TwoFormPrompt
 
 
 def prompt_ids(member: Member, prompt: Prompt, *, chat: bool = False) -> list[int]:
-    """``member``'s ids for ``prompt``: text as is (or, with ``chat``, as one user message), messages
-    through the member's own chat template (a member without one gets a ``TwoFormPrompt``'s raw form,
-    else the plain rendering)."""
-    messages = [{"role": "user", "content": prompt}] if (chat and isinstance(prompt, str)) else prompt
-    if isinstance(messages, str):
-        return member.encode_prompt(messages)
-    two = isinstance(messages, TwoFormPrompt)
-    text, templated = member.render_chat(messages.messages if two else messages)
-    if two and not templated:
-        text = messages.raw
-    return member.encode_prompt(text, templated=templated)
+    """``member``'s ids for ``prompt`` (``Member.ids_for_prompt``): text as is (or, with ``chat``, as one
+    user message), messages through the member's own chat template (a member without one gets a
+    ``TwoFormPrompt``'s raw form, else the plain rendering)."""
+    text, raw = _forms(prompt)
+    return member.ids_for_prompt(text, chat=chat, raw=raw)
+
+
+def prompt_token_count(member: Member, prompt: Prompt, *, chat: bool = False) -> int:
+    """How many ids ``member`` has for ``prompt`` (``Member.prompt_token_count``; ``prompt_ids``'s length)."""
+    text, raw = _forms(prompt)
+    return member.prompt_token_count(text, chat=chat, raw=raw)
+
+
+def _forms(prompt: Prompt) -> tuple[str | Sequence[dict], str | None]:
+    """What a member encodes for ``prompt``: its text or messages, and a ``TwoFormPrompt``'s raw form."""
+    return (prompt.messages, prompt.raw) if isinstance(prompt, TwoFormPrompt) else (prompt, None)
 
 
 def is_single(prompts) -> bool:

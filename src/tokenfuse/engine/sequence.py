@@ -19,7 +19,7 @@ from tokenfuse.alignment.union import END
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sync import append_token, in_step, incomplete_tail, resync
 from tokenfuse.engine.trace import StepRecord, Trace, TraceStep
-from tokenfuse.members.base import SeqState
+from tokenfuse.members.base import SeqState, StateSnapshot
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,15 @@ class Generation:
     vetoed_steps: int = 0
     drafted: int = 0
     accepted: int = 0
+
+
+@dataclass(frozen=True)
+class SequenceSnapshot:
+    """A ``Sequence`` at one moment (``Sequence.snapshot``): its output length, steps and member states."""
+
+    output_len: int
+    steps: int
+    states: tuple[StateSnapshot, ...]
 
 
 @dataclass(eq=False)
@@ -186,6 +195,18 @@ class Sequence:
         if self.finished is None:
             self.finished = reason
 
+    def snapshot(self) -> SequenceSnapshot:
+        """Its output length, steps and every member's ids, for ``restore`` (a speculative round's draft)."""
+        return SequenceSnapshot(len(self.output), self.steps, tuple(st.snapshot() for st in self.states))
+
+    def restore(self, snap: SequenceSnapshot) -> None:
+        """Back to ``snap`` after ``force`` appended pieces: the output cut back, every member's ids as they
+        were (their caches' validity unchanged: ``SeqState.reuse_cache``)."""
+        del self.output[snap.output_len:]
+        self.steps = snap.steps
+        for st, saved in zip(self.states, snap.states):
+            st.restore(saved)
+
     # ------------------------------------------------------------------ text out
     def take_text(self) -> str:
         """The output text that became final since the last call ("" if none): everything once the
@@ -266,7 +287,7 @@ def rollback(st: SeqState, n: int) -> None:
     st.starts = st.starts[:keep]
     st.covered = ends[keep - 1] if keep else 0
     st.provisional = False
-    st.n_valid = min(st.n_valid, len(st.prompt_ids) + keep)
+    st.drop_cache_after(len(st.prompt_ids) + keep)
     st.logprobs = None
 
 

@@ -16,8 +16,10 @@ One round for one sequence:
    (``Decider.decide_given``: groups, gate, agreement skip, combination, choice, boundary rule —
    the code plain decoding runs) and applied (``Sequence.apply``: stops, limit, re-sync). While it
    equals the drafted piece, the next position is decided; the first that differs, and the
-   position after the last drafted piece, end the round with the ensemble's own choice. Every
-   cached position past what the sequence keeps is dropped (``SeqState.n_valid``), as rollback does.
+   position after the last drafted piece, end the round with the ensemble's own choice. The draft
+   is taken back before deciding (``Sequence.snapshot``/``restore``: the output and the members' ids,
+   not their caches); afterwards every member's cache keeps the positions the sequence still holds
+   (``SeqState.reuse_cache``) and drops the rest, as rollback does.
 
 So each round emits between one and ``k + 1`` pieces, each the piece plain decoding chooses from
 the same distributions: greedy output is identical wherever a member's numbers do not depend on how
@@ -36,7 +38,7 @@ import torch
 
 from tokenfuse.alignment.union import END
 from tokenfuse.engine.decide import Decider
-from tokenfuse.engine.likelihood import common_prefix, positions
+from tokenfuse.engine.likelihood import positions
 from tokenfuse.engine.options import SpeculativeOptions
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Sequence, StepEvent
@@ -79,17 +81,17 @@ class Speculator:
         """One round for ``s`` (see the module docstring): the pieces it emits, in order."""
         d = self.draft
         room = s.max_new_tokens - s.steps - 1  # the last piece before the limit is never drafted
-        saved = _save(s)
+        saved = s.snapshot()
         drafts, before, own = self._draft(s, min(s.draft_k or self.options.k, room))
         with self.decider.timer.stage("forward"):
             others = [i for i in self.check if i != d]
             rows = self.decider.pool.run(others, lambda i: positions(self.members[i], s.states[i], before[i]))
         rows[d] = own
-        cached = [st.all_ids()[: st.n_valid] for st in s.states]  # what each cache holds now
-        _restore(s, saved)
+        cached = [st.cached_ids() for st in s.states]  # what each cache holds now
+        s.restore(saved)  # back to before the draft
         events, accepted = self._decide(s, drafts, rows)  # no forward: the caches are untouched
         for st, ids in zip(s.states, cached):  # a cache keeps every position the sequence still holds
-            st.n_valid = common_prefix(ids, st.all_ids())
+            st.reuse_cache(ids)
         s.record_round(len(drafts), accepted, max(1, min(self.options.k, accepted + 1)) if self.options.adapt else None)
         return events
 
@@ -151,17 +153,3 @@ class Speculator:
             s.states[i].logprobs = None  # rows of positions the sequence may no longer hold
         return events, accepted
 
-
-def _save(s: Sequence) -> tuple:
-    return len(s.output), s.steps, [(list(st.ids), list(st.starts), st.covered, st.provisional, st.logprobs,
-                                     st.logprobs_len) for st in s.states]
-
-
-def _restore(s: Sequence, saved: tuple) -> None:
-    """Back to before the draft: output and every member's ids (``round`` sets ``n_valid`` afterwards)."""
-    n, steps, states = saved
-    del s.output[n:]
-    s.steps = steps
-    for st, (ids, starts, covered, provisional, logprobs, logprobs_len) in zip(s.states, states):
-        st.ids, st.starts, st.covered, st.provisional = ids, starts, covered, provisional
-        st.logprobs, st.logprobs_len = logprobs, logprobs_len

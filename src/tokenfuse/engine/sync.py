@@ -65,7 +65,7 @@ def resync(codec: ByteCodec, st: SeqState, output: bytes, *, window: int = 8, ch
     st.starts = starts
     st.covered = covered
     st.provisional = provisional
-    st.n_valid = min(st.n_valid, len(st.prompt_ids) + keep)
+    st.drop_cache_after(len(st.prompt_ids) + keep)
     if check and codec.decode(st.ids) != output[:covered]:
         raise SyncError(f"ids decode to {codec.decode(st.ids)!r}, expected {output[:covered]!r}")
 

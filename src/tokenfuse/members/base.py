@@ -2,7 +2,9 @@
 
 A member turns token ids into next-token log-probabilities. It knows nothing about the other
 members: the engine keeps its ids in sync with the shared output bytes (``tokenfuse.engine.sync``)
-and only tells it, through ``SeqState.n_valid``, how much of its KV cache is still good.
+and only tells it how much of its KV cache is still good, through ``SeqState``'s cache methods
+(``drop_cache_after``, ``mark_cached``, ``reuse_cache``; ``snapshot``/``restore`` for speculative
+rounds), which keep ``SeqState.n_valid``.
 
 ``Member`` is what every member provides, wherever it runs (in this process, behind an
 OpenAI-compatible server, in a Ray actor). ``LocalMember`` adds the chunked forward of a model
@@ -37,7 +39,9 @@ class SeqState:
         provisional: the last ids are raw byte tokens for an unfinished character; the next
             re-sync replaces them.
         n_valid: how many positions of ``prompt_ids + ids`` the backend's cache still holds
-            correctly; the next forward crops the cache to it and feeds the rest.
+            correctly; the next forward crops the cache to it and feeds the rest. Outside the
+            backends it changes only through the methods below (``drop_cache_after``,
+            ``mark_cached``, ``reuse_cache``).
         cache: the backend's KV cache object.
         logprobs: the last computed next-token log-probabilities, ``float32[V]``, and the
             sequence length they belong to.
@@ -69,6 +73,57 @@ class SeqState:
     def pending(self) -> int:
         """Ids not yet in the cache (fed in one chunk at the next forward)."""
         return self.length - self.n_valid
+
+    # ------------------------------------------------------------------ the cache's validity
+    def drop_cache_after(self, n: int) -> None:
+        """The cache keeps at most its first ``n`` positions (the next forward crops it and feeds the rest)."""
+        self.n_valid = min(self.n_valid, n)
+
+    def mark_cached(self) -> None:
+        """The cache now holds every id of the sequence (they were fed)."""
+        self.n_valid = self.length
+
+    def cached_ids(self) -> list[int]:
+        """The ids whose positions the cache holds correctly."""
+        return self.all_ids()[: self.n_valid]
+
+    def reuse_cache(self, cached: list[int]) -> None:
+        """The ids changed while the cache held ``cached`` (``cached_ids()`` then): it stays valid as
+        far as they agree with the current ids."""
+        self.n_valid = common_prefix(cached, self.all_ids())
+
+    def snapshot(self) -> StateSnapshot:
+        """Its ids and last log-probabilities, for ``restore`` (the cache's validity is not part of it)."""
+        return StateSnapshot(tuple(self.ids), tuple(self.starts), self.covered, self.provisional, self.logprobs,
+                             self.logprobs_len)
+
+    def restore(self, snap: StateSnapshot) -> None:
+        """Back to ``snap``'s ids and log-probabilities; the cache's validity stays as it is (``reuse_cache``)."""
+        self.ids, self.starts = list(snap.ids), list(snap.starts)
+        self.covered, self.provisional = snap.covered, snap.provisional
+        self.logprobs, self.logprobs_len = snap.logprobs, snap.logprobs_len
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A ``SeqState``'s ids and last log-probabilities at one moment (``SeqState.snapshot``)."""
+
+    ids: tuple[int, ...]
+    starts: tuple[int, ...]
+    covered: int
+    provisional: bool
+    logprobs: torch.Tensor | None
+    logprobs_len: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Member(ABC):
@@ -126,6 +181,22 @@ class Member(ABC):
                 raise ConfigError(f"member {self.name!r}: empty prompt and the tokenizer has no BOS or EOS token")
             ids = [start]
         return list(ids)
+
+    def ids_for_prompt(self, prompt: str | Sequence[dict], *, chat: bool = False, raw: str | None = None) -> list[int]:
+        """Its ids for a prompt: text as is (or, with ``chat``, as one user message), messages through its
+        own chat template; without one, ``raw`` (a two-form prompt's base-model text) when given,
+        else the plain rendering (``render_chat``)."""
+        messages = [{"role": "user", "content": prompt}] if (chat and isinstance(prompt, str)) else prompt
+        if isinstance(messages, str):
+            return self.encode_prompt(messages)
+        text, templated = self.render_chat(messages)
+        if raw is not None and not templated:
+            text = raw
+        return self.encode_prompt(text, templated=templated)
+
+    def prompt_token_count(self, prompt: str | Sequence[dict], *, chat: bool = False, raw: str | None = None) -> int:
+        """How many ids the prompt takes in its context (``ids_for_prompt``'s, without opening a sequence)."""
+        return len(self.ids_for_prompt(prompt, chat=chat, raw=raw))
 
     # ------------------------------------------------------------------ state and compute
     def new_state(self, prompt_ids: Sequence[int]) -> SeqState:
@@ -194,10 +265,11 @@ class LocalMember(Member):
         todo = [st for st in states if st.stale]
         for st in todo:
             if st.pending == 0:  # the cache is complete but its last logits are gone: refeed one id
-                st.n_valid -= 1
+                st.drop_cache_after(st.length - 1)
         if todo:
             for st, lp in zip(todo, self._forward_batch(todo)):
-                st.logprobs, st.logprobs_len, st.n_valid = lp, st.length, st.length
+                st.logprobs, st.logprobs_len = lp, st.length
+                st.mark_cached()
         return torch.stack([st.logprobs for st in states])
 
     def next_topk(self, states: Sequence[SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +292,7 @@ class LocalMember(Member):
         if not ends or ends != sorted(ends) or ends[0] <= st.n_valid or ends[-1] > st.length:
             raise ValueError(f"logprobs_at: ends {ends} must increase within ({st.n_valid}, {st.length}]")
         rows = self._forward_at(st, ends)
-        st.n_valid = st.length
+        st.mark_cached()
         if ends[-1] == st.length:
             st.logprobs, st.logprobs_len = rows[-1], st.length
         return torch.stack(rows)
@@ -242,7 +314,7 @@ class LocalMember(Member):
             for n in ends:
                 st.prompt_ids, st.ids = full[:n], []
                 rows.append(self._forward_batch([st])[0])
-                st.n_valid = n
+                st.mark_cached()  # its ids are ``full[:n]`` now
         finally:
             st.prompt_ids, st.ids = prompt, ids
         if ends[-1] < len(full):  # feed the rest too: the cache holds the whole sequence afterwards

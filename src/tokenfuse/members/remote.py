@@ -218,7 +218,7 @@ class RemoteMember(Member):
             results = [self._ask(st) for st in todo]
         for st, top in zip(todo, results):
             st.cache.top = top
-            st.n_valid = st.length  # nothing is pending any more (the server holds the prefix)
+            st.mark_cached()  # nothing is pending any more (the server holds the prefix)
         return [st.cache.top for st in states]
 
     def _ask(self, st: SeqState) -> _Top:

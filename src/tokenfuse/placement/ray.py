@@ -78,7 +78,7 @@ class MemberActor:
                 st = self.states[key] = self.member.new_state(prompt)
             ids = st.all_ids()[:n_valid] + tail
             st.ids = ids[len(st.prompt_ids):]
-            st.n_valid = min(st.n_valid, n_valid)
+            st.drop_cache_after(n_valid)
             states.append(st)
         return states
 
@@ -134,7 +134,8 @@ class RayMember(Member):
             if first and st.cache is not None:
                 self.actor.release.remote([st.cache])  # in case it still holds it (a call that timed out)
             if first:
-                st.cache, st.n_valid = next(self._keys), 0
+                st.cache = next(self._keys)
+                st.drop_cache_after(0)  # the actor holds nothing of it
             out.append((st.cache, st.prompt_ids if first else None, st.n_valid, st.all_ids()[st.n_valid:]))
         return out
 
@@ -165,7 +166,8 @@ class RayMember(Member):
 
     def _done(self, states: Sequence[SeqState]) -> None:
         for st in states:
-            st.n_valid = st.logprobs_len = st.length
+            st.mark_cached()
+            st.logprobs_len = st.length
 
     def next_topk(self, states: Sequence[SeqState], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         lp, ids = self._step("topk", states, k)

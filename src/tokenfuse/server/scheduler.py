@@ -177,14 +177,26 @@ class Scheduler:
 
     def _open(self, job: Job, down: frozenset[str] = frozenset()) -> None:
         job.ens = self.pool.get(job.options, down)
+        prompt = self._fit(job)
+        seq = job.ens.open(prompt, chat=job.chat, sampling=job.sampling, stop=job.stop,
+                           max_new_tokens=job.max_new_tokens, index=job.index, trace=job.trace)
+        if job.score_prompt is not None:
+            try:
+                job.prompt_logprobs = job.ens.score_prompt(prompt, top=job.score_prompt)
+            except BaseException:
+                job.ens.close(seq)
+                raise
+        job.seq = seq
+        self.pool.in_use[id(job.ens)] = self.pool.in_use.get(id(job.ens), 0) + 1
+
+    def _fit(self, job: Job) -> Prompt:
+        """``job``'s prompt as it fits every member's context with ``max_new_tokens`` (the members count
+        its ids: no sequence is opened), left-truncated when ``job.truncate``; else ``ContextError``."""
         prompt = job.prompt
         for _ in range(8):  # left-truncation may need a few rounds (re-tokenised edges)
-            seq = job.ens.open(prompt, chat=job.chat, sampling=job.sampling, stop=job.stop,
-                               max_new_tokens=job.max_new_tokens, index=job.index, trace=job.trace)
-            over = self._overflow(job.ens, seq, job.max_new_tokens)
+            over = self._overflow(job.ens, job.ens.prompt_token_counts(prompt, chat=job.chat), job.max_new_tokens)
             if over is None:
-                break
-            job.ens.close(seq)
+                return prompt
             name, need, ctx = over
             if not job.truncate:
                 raise ContextError(
@@ -197,23 +209,16 @@ class Scheduler:
             job.truncated += 1
             if not prompt:
                 raise ContextError(f"the prompt cannot be truncated to fit member {name!r}'s context of {ctx}")
-        else:
-            raise ContextError("the prompt could not be truncated to fit every member's context")
-        if job.score_prompt is not None:
-            try:
-                job.prompt_logprobs = job.ens.score_prompt(prompt, top=job.score_prompt)
-            except BaseException:
-                job.ens.close(seq)
-                raise
-        job.seq = seq
-        self.pool.in_use[id(job.ens)] = self.pool.in_use.get(id(job.ens), 0) + 1
+        raise ContextError("the prompt could not be truncated to fit every member's context")
 
     @staticmethod
-    def _overflow(ens: Ensemble, seq: Sequence, max_new: int) -> tuple[str, int, int] | None:
-        for m, st in zip(ens.members, seq.states):
+    def _overflow(ens: Ensemble, counts: list[int], max_new: int) -> tuple[str, int, int] | None:
+        """The first member whose context ``counts`` prompt ids plus ``max_new`` overflow: its name, the
+        tokens needed and its context; ``None`` if they fit every member."""
+        for m, n in zip(ens.members, counts):
             ctx = m.context_length
-            if ctx is not None and len(st.prompt_ids) + max_new > ctx:
-                return m.name, len(st.prompt_ids) + max_new, ctx
+            if ctx is not None and n + max_new > ctx:
+                return m.name, n + max_new, ctx
         return None
 
     def _step(self, jobs: list[Job]) -> None:
