@@ -33,7 +33,7 @@ class EnsemblePool:
         self.members = list(base.members)
         self.max_size = max_size
         self._cache: OrderedDict[str, Ensemble] = OrderedDict()
-        self.in_use: dict[int, int] = {}
+        self._in_use: dict[int, int] = {}  # running sequences per ensemble (``acquire``/``release``)
 
     @staticmethod
     def key(options: dict | None, down: frozenset[str] = frozenset()) -> str:
@@ -52,9 +52,17 @@ class EnsemblePool:
         for k in list(self._cache):
             if len(self._cache) <= self.max_size:
                 break
-            if not self.in_use.get(id(self._cache[k])):
+            if not self._in_use.get(id(self._cache[k])):
                 del self._cache[k]
         return ens
+
+    def acquire(self, ens: Ensemble) -> None:
+        """A sequence starts running on ``ens`` (it stays cached while any does)."""
+        self._in_use[id(ens)] = self._in_use.get(id(ens), 0) + 1
+
+    def release(self, ens: Ensemble) -> None:
+        """A sequence on ``ens`` has ended."""
+        self._in_use[id(ens)] -= 1
 
     def _build(self, options: dict, down: frozenset[str]) -> Ensemble:
         cfg = self.cfg.with_overrides(**options, origin="tokenfuse")  # the one override rule (config.py)

@@ -77,16 +77,16 @@ class Scheduler:
     """The engine thread: admits, steps and retires sequences (see the module docstring).
 
     Args:
-        pool: the ensembles.
+        ensembles: the ensembles per option set (``EnsemblePool``), on the same loaded members.
         max_batch: running sequences at most (the rest wait in arrival order).
         max_queue: waiting sequences at most (``submit`` raises ``queue.Full`` beyond).
         on_member_failure: ``error`` (the affected requests fail) or ``skip`` (they go on without
             the unavailable member, and their responses name it).
     """
 
-    def __init__(self, pool: EnsemblePool, *, max_batch: int = 16, max_queue: int = 256,
+    def __init__(self, ensembles: EnsemblePool, *, max_batch: int = 16, max_queue: int = 256,
                  on_member_failure: str = "error") -> None:
-        self.pool = pool
+        self.ensembles = ensembles
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.on_member_failure = on_member_failure
@@ -176,7 +176,7 @@ class Scheduler:
                 self._finish(job, "")
 
     def _open(self, job: Job, down: frozenset[str] = frozenset()) -> None:
-        job.ens = self.pool.get(job.options, down)
+        job.ens = self.ensembles.get(job.options, down)
         prompt = self._fit(job)
         seq = job.ens.open(prompt, chat=job.chat, sampling=job.sampling, stop=job.stop,
                            max_new_tokens=job.max_new_tokens, index=job.index, trace=job.trace)
@@ -187,7 +187,7 @@ class Scheduler:
                 job.ens.close(seq)
                 raise
         job.seq = seq
-        self.pool.in_use[id(job.ens)] = self.pool.in_use.get(id(job.ens), 0) + 1
+        self.ensembles.acquire(job.ens)
 
     def _fit(self, job: Job) -> Prompt:
         """``job``'s prompt as it fits every member's context with ``max_new_tokens`` (the members count
@@ -285,14 +285,14 @@ class Scheduler:
         """Continue ``job`` on the ensemble without ``member`` (its weight 0: kept in sync, not run)."""
         down = frozenset(job.skipped | {member})
         try:
-            ens = self.pool.get(job.options, down)
+            ens = self.ensembles.get(job.options, down)
         except Exception as err:  # noqa: BLE001 - e.g. no member left
             self._fail(job, err)
             return
-        self.pool.in_use[id(job.ens)] -= 1
+        self.ensembles.release(job.ens)
         job.ens = ens
         job.skipped.add(member)
-        self.pool.in_use[id(ens)] = self.pool.in_use.get(id(ens), 0) + 1
+        self.ensembles.acquire(ens)
 
     def _fail(self, job: Job, err: BaseException) -> None:
         job.done = True
@@ -305,7 +305,7 @@ class Scheduler:
         if job.seq is not None:
             job.ens.close(job.seq)
             self.closed += 1
-            self.pool.in_use[id(job.ens)] -= 1
+            self.ensembles.release(job.ens)
 
 
 def _truncate(prompt: Prompt, chat: bool, *, fraction: float) -> Prompt:
