@@ -1,9 +1,17 @@
 """Build an ensemble from a config: its members placed (``tokenfuse.placement``), then combined.
 
 ``load_member`` (one in-process member) lives in ``tokenfuse.placement.local`` and is re-exported here.
+
+The ensembles built here are unloaded at exit if still open (``Ensemble.unload``; ``with
+load_ensemble(cfg) as ens:`` unloads at the end of the block), so a script exits quietly:
+llama-cpp-python would otherwise free its models after its own module is gone, and print a
+``TypeError`` traceback for each.
 """
 
 from __future__ import annotations
+
+import atexit
+import weakref
 
 from tokenfuse.config import EnsembleConfig
 from tokenfuse.engine import Ensemble
@@ -13,6 +21,15 @@ from tokenfuse.progress import progress_bar
 from tokenfuse.placement.local import check_source, load_member, needs_transformers, share_member, shared_with
 
 __all__ = ["check_source", "ensemble_from_members", "load_ensemble", "load_member"]
+
+_open: weakref.WeakSet[Ensemble] = weakref.WeakSet()  # the ensembles built here, held weakly until exit
+
+
+@atexit.register
+def _unload_open() -> None:
+    """Unload the ensembles still open (unloading twice is harmless) while the interpreter still runs."""
+    for ens in list(_open):
+        ens.unload()
 
 
 def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
@@ -70,4 +87,5 @@ def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None, progress:
                    speculative=cfg.speculative.model_dump() if cfg.speculative is not None else None,
                    align_cache=cache_dir(cfg.cache_dir) / "alignment")
     ens.combiner.prepare(progress=progress)
+    _open.add(ens)
     return ens

@@ -295,3 +295,20 @@ class Ensemble:
         finally:
             for s in seqs:
                 self.close(s)
+
+    # ------------------------------------------------------------------ lifetime
+    def unload(self) -> None:
+        """Free every member's model and caches now (llama.cpp contexts and models, a transformers
+        model, a remote member's client, a Ray actor); safe to call twice. Using the ensemble
+        afterwards raises ``TokenfuseError``. Members shared with other ensembles (the server's
+        per-request ensembles, ``Reweighted`` views) are unloaded for those too; a model several
+        members share (a self-ensemble) is freed once, with the last of them."""
+        self.pool.shutdown()
+        for m in self.members:
+            m.unload()
+
+    def __enter__(self) -> Ensemble:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unload()
