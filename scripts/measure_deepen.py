@@ -106,6 +106,23 @@ def gac_choice(union, lps: dict[int, torch.Tensor]) -> int:
     return int(acc.argmax())
 
 
+def sibling(mat: RelativeRows, *, capacity: int | None = None, row_dtype: torch.dtype | None = None,
+            compute_dtype: torch.dtype | None = None) -> RelativeRows:
+    """The same member and anchors with its own (empty, memory-only) row store; shares the anchor matrix."""
+    dtype = mat.compute_dtype if compute_dtype is None else compute_dtype
+    other = RelativeRows(mat.source, mat.anchor_ids, label=mat.label, compute_dtype=dtype,
+                         temperature=mat.temperature, capacity=mat.capacity if capacity is None else capacity,
+                         row_dtype=mat.row_dtype if row_dtype is None else row_dtype)
+    other._anchors = mat.anchor_matrix.to(dtype)
+    return other
+
+
+def held_bytes(mat: RelativeRows) -> int:
+    """Bytes a prepared matrix holds: the anchor matrix plus the stored rows."""
+    anchors = mat.anchor_matrix
+    return anchors.numel() * anchors.element_size() + mat.stored * mat.n_anchors * torch.finfo(mat.row_dtype).bits // 8
+
+
 class TopM(RelativeRows):
     """Rows cut to their m largest anchors and renormalised (the sparse design the issue suggests)."""
 
@@ -132,7 +149,7 @@ def row_statistics(deepen: DeePEn, n: int = 256, seed: int = 0) -> None:
     for mat in deepen.matrices:
         ids = np.sort(rng.choice(mat.source.n_rows, n, replace=False))
         exact = mat.compute(ids)
-        probe = mat.sibling(capacity=n)
+        probe = sibling(mat, capacity=n)
         approx = probe.rows(ids)
         ent = torch.exp(-(exact * exact.clamp_min(1e-30).log()).sum(1)).median().item()
         srt = exact.sort(dim=1, descending=True).values.cumsum(1)
@@ -332,7 +349,7 @@ def main() -> None:
         r_cold = decode(cold, dec, union, args.steps_per_prompt, None)
         summary("cold row store", r_cold)
         peak = max(r_cold["mem"]) - base
-        held = sum(m.memory_bytes for m in cold.matrices) / 2**20
+        held = sum(held_bytes(m) for m in cold.matrices) / 2**20
         cold.save()
         stored = sum(m.stored for m in cold.matrices)
         del cold
@@ -368,7 +385,7 @@ def main() -> None:
         quiet_timings(again, members, steps)
 
         print(f"\n## Approximations on the {len(steps)} recorded steps")
-        ref_mats = [m.sibling(capacity=4 * args.ref_rows, row_dtype=torch.float32, compute_dtype=torch.float32)
+        ref_mats = [sibling(m, capacity=4 * args.ref_rows, row_dtype=torch.float32, compute_dtype=torch.float32)
                     for m in again.matrices]
         reference = (ref_mats, 1.0 - 1e-6, args.ref_rows, "adam")
         print(f"reference: exact float32 rows, the {args.ref_rows} most likely text/END tokens of every member "
@@ -384,7 +401,7 @@ def main() -> None:
             "mass 0.9999, ≤ 128 rows": (fp16, 0.9999, 128, "adam"),
             "gd (Eq. 7 as written), default support": (fp16, *sup, "gd"),
             f"compute {dtype_name(other)}, default support": (
-                [m.sibling(compute_dtype=other, capacity=2048) for m in again.matrices], *sup, "adam"),
+                [sibling(m, compute_dtype=other, capacity=2048) for m in again.matrices], *sup, "adam"),
         }
         if not args.quick:
             for m_top in (64, 1024):

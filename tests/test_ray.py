@@ -89,8 +89,7 @@ def test_config_placement_ray(ray_members, llamacpp_members):
     local = Ensemble([llamacpp_members["smollm2"]])
     prompt = "Question: What is the capital of France?\nAnswer:"
     assert placed.generate(prompt, max_new_tokens=8).text == local.generate(prompt, max_new_tokens=8).text
-    for m in placed.members:
-        ray.kill(m.actor)
+    placed.unload()  # its actor and placement group
 
 
 def test_ray_member_declares_what_the_local_member_does(ray_members, local_members):
@@ -110,3 +109,26 @@ def test_ray_member_declares_what_the_local_member_does(ray_members, local_membe
         ray.get(actor.__ray_call__.remote(lambda a: setattr(a.member, "score", None)))
     with pytest.raises(TokenfuseError, match="DeePEn needs local weights"):
         ray_members[0].input_embeddings()
+
+
+def test_unload_ends_the_actors_and_then_the_placement_group(ray_members, tokenizer_dirs, align_cache):
+    import functools
+
+    from ray.util import placement_group_table
+
+    from tokenfuse.errors import TokenfuseError
+
+    factories = [functools.partial(tiny_factory, str(tokenizer_dirs["smollm2"]), "smollm2", s, n, align_cache)
+                 for s, n in ((0, "D"), (1, "E"))]
+    members = place_members(factories, num_cpus=[0.25] * 2, num_gpus=[0] * 2)
+    ens = Ensemble(members, align_cache=align_cache)
+    ens.generate(PROMPTS[0], max_new_tokens=3)
+    pg = members[0].placement_group
+    members[0].unload()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(members[0].actor.info.remote(), timeout=60)
+    assert placement_group_table(pg)["state"] == "CREATED"  # its other member still runs in it
+    ens.unload()
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    with pytest.raises(TokenfuseError, match="member 'D' was unloaded"):
+        ens.generate(PROMPTS[0], max_new_tokens=3)

@@ -16,9 +16,9 @@ import torch
 
 from tokenfuse.config import parse_config
 from tokenfuse.engine import Ensemble
-from tokenfuse.errors import ConfigError, TokenfuseError
+from tokenfuse.errors import ConfigError, MemberUnavailableError, TokenfuseError
 from tokenfuse.members.fasttok import FastTokenizer
-from tokenfuse.members.remote import MemberUnavailableError, RemoteMember
+from tokenfuse.members.remote import RemoteMember
 
 
 def free_port() -> int:

@@ -25,3 +25,11 @@ class AlignmentError(TokenfuseError):
 
 class SyncError(TokenfuseError):
     """A member's token ids no longer decode to the shared text (an engine bug, never user input)."""
+
+
+class MemberUnavailableError(TokenfuseError):
+    """A member could not answer (its server or actor failed after retries)."""
+
+    def __init__(self, member: str, message: str) -> None:
+        super().__init__(f"member {member!r} is unavailable: {message}")
+        self.member = member

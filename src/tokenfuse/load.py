@@ -1,6 +1,9 @@
 """Build an ensemble from a config: its members placed (``tokenfuse.placement``), then combined.
 
 ``load_member`` (one in-process member) lives in ``tokenfuse.placement.local`` and is re-exported here.
+
+``with load_ensemble(cfg) as ens:`` unloads the members at the end of the block; an ensemble left
+open is unloaded at exit (``tokenfuse.engine.ensemble``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from tokenfuse.progress import progress_bar
 from tokenfuse.placement.local import check_source, load_member, needs_transformers, share_member, shared_with
 
 __all__ = ["check_source", "ensemble_from_members", "load_ensemble", "load_member"]
-
 
 def load_ensemble(cfg: EnsembleConfig, *, progress: bool = True) -> Ensemble:
     """Load every member of ``cfg`` (in threads, with a progress bar) and build the ensemble.

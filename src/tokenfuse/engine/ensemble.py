@@ -10,11 +10,17 @@ shared between members. Where each part lives:
 - ``pool.MemberPool``: the members' forward passes, in threads;
 - ``likelihood``: teacher forcing; ``timer.StageTimer``: where the time goes;
 - ``trace``: the step trace of a sequence opened with ``trace`` (nothing is recorded otherwise).
+
+Every ensemble still open at exit is unloaded then (``unload``; ``with`` unloads at the end of the
+block), while the interpreter still runs: llama-cpp-python would otherwise free its models after
+its own module is gone and print a ``TypeError`` traceback for each.
 """
 
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -38,6 +44,16 @@ from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import PromptPiece, TopEntry, Trace, TraceOptions, TraceStep, end_text, entry_text
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member, reweighted
+
+
+_open: weakref.WeakSet[Ensemble] = weakref.WeakSet()  # every ensemble made, held weakly until exit
+
+
+@atexit.register
+def _unload_open() -> None:
+    """Unload the ensembles still open (unloading twice is harmless) while the interpreter still runs."""
+    for ens in list(_open):
+        ens.unload()
 
 
 class Ensemble:
@@ -79,6 +95,7 @@ class Ensemble:
                                primary=self.primary)
         spec = options.speculative
         self.speculator = Speculator(self.decider, spec) if spec is not None else None
+        _open.add(self)
 
     @classmethod
     def single(cls, member: Member, *, window: int = 8, align_cache: str | Path | None = None,
@@ -277,3 +294,20 @@ class Ensemble:
     def prompt_token_counts(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """How many ids each member (ensemble order) has for ``prompt``, as ``open`` encodes it; opens nothing."""
         return [prompt_token_count(m, prompt, chat=chat) for m in self.members]
+
+    # ------------------------------------------------------------------ lifetime
+    def unload(self) -> None:
+        """Free every member's model and caches now (llama.cpp contexts and models, a transformers
+        model, a remote member's client, a Ray actor); safe to call twice. Using the ensemble
+        afterwards raises ``TokenfuseError``. Members shared with other ensembles (the server's
+        per-request ensembles, ``Reweighted`` views) are unloaded for those too; a model several
+        members share (a self-ensemble) is freed once, with the last of them."""
+        self.pool.shutdown()
+        for m in self.members:
+            m.unload()
+
+    def __enter__(self) -> Ensemble:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unload()

@@ -136,5 +136,8 @@ class MemberPool:
         return True
 
     def shutdown(self) -> None:
+        """Wait for any forward still running and stop the threads; later calls run the members one
+        after another (``Ensemble.unload``: its members then say they were unloaded)."""
         if self._threads is not None:
             self._threads.shutdown(wait=True)
+            self._threads = None

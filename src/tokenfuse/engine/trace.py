@@ -287,7 +287,3 @@ def record_step(space: VocabSpace, members: Seq[Member], primary: int, options: 
     return StepRecord(token=entry_text(space, entry, end), end=entry == END, prob=entry_prob(dist, dist_row, entry),
                       top=combined_top(space, dist, dist_row, options.k, end), gated=gated, ensembled=ensembled,
                       skipped=skipped, members=rec_members)
-
-
-def as_dicts(steps: Seq[TraceStep]) -> list[dict[str, Any]]:
-    return [s.to_dict() for s in steps]

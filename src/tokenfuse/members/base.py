@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +151,7 @@ class Member(ABC):
     load_seconds: float = 0.0
     in_process: bool = False  # its weights are in this process (``LocalMember``): logits at any position, cores to share
     weight_bytes: int | None = None  # the size of its weights in this process (None: unknown or elsewhere)
+    unloaded: bool = False  # ``unload`` ran: its model is freed and using it raises ``TokenfuseError``
 
     # ------------------------------------------------------------------ prompts
     @property
@@ -200,6 +201,7 @@ class Member(ABC):
 
     # ------------------------------------------------------------------ state and compute
     def new_state(self, prompt_ids: Sequence[int]) -> SeqState:
+        self.check_loaded()
         return SeqState(prompt_ids=list(prompt_ids))
 
     @abstractmethod
@@ -227,9 +229,28 @@ class Member(ABC):
         fixed, or that does not compute in this process, ignores it; numbers must not depend on it."""
 
     def release(self, state: SeqState) -> None:
-        """Free a finished sequence's cache."""
+        """Free a finished sequence's cache (after ``unload`` too: nothing is left to free then)."""
         state.cache = None
         state.logprobs = None
+
+    # ------------------------------------------------------------------ lifetime
+    def unload(self) -> None:
+        """Free its model and every sequence's cache now, not whenever the garbage collector (or the
+        interpreter's exit) gets to them; safe to call twice. Using the member afterwards raises
+        ``TokenfuseError``. A model shared with other members (a self-ensemble's copies) is freed with
+        the last of them; a ``Reweighted`` view unloads the member it shows."""
+        if not self.unloaded:
+            self.unloaded = True
+            self._unload()
+
+    def _unload(self) -> None:
+        """What ``unload`` frees, once (a backend's part); by default nothing."""
+
+    def check_loaded(self) -> None:
+        """Raise ``TokenfuseError`` if the member was unloaded."""
+        if self.unloaded:
+            raise TokenfuseError(f"member {self.name!r} was unloaded (Ensemble.unload, or the end of a `with` "
+                                 "block on its ensemble): load the ensemble again to use it")
 
     # ------------------------------------------------------------------ weights
     def embedding_rows(self) -> EmbeddingRows:
@@ -262,6 +283,7 @@ class LocalMember(Member):
         Feeds every pending id (one chunked forward per state), after cropping the cache to
         ``n_valid``. A state with nothing pending reuses its last result.
         """
+        self.check_loaded()
         todo = [st for st in states if st.stale]
         for st in todo:
             if st.pending == 0:  # the cache is complete but its last logits are gone: refeed one id
@@ -288,6 +310,7 @@ class LocalMember(Member):
         of feeding the ids piece by piece wherever the backend's kernels do not depend on how a
         sequence is split into calls (see docs/evaluation.md, "One-forward scoring").
         """
+        self.check_loaded()
         ends = list(ends)
         if not ends or ends != sorted(ends) or ends[0] <= st.n_valid or ends[-1] > st.length:
             raise ValueError(f"logprobs_at: ends {ends} must increase within ({st.n_valid}, {st.length}]")
@@ -340,6 +363,24 @@ def plain_chat(messages: Sequence[dict]) -> str:
     """The documented rendering for members without a chat template."""
     parts = [f"{str(m.get('role', 'user')).capitalize()}: {m.get('content', '')}\n\n" for m in messages]
     return "".join(parts) + "Assistant:"
+
+
+class Shared:
+    """Something several members use (a llama.cpp model, a Ray placement group), freed by ``free``
+    when the last of them lets go: each member ``take``s it once and ``drop``s it once (in ``unload``)."""
+
+    def __init__(self, free: Callable[[], None]) -> None:
+        self._free = free
+        self.users = 0
+
+    def take(self) -> Shared:
+        self.users += 1
+        return self
+
+    def drop(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self._free()
 
 
 class Reweighted:

@@ -16,7 +16,9 @@ when stepping, several for one-forward scoring). Sliding-window layers
 
 Prefix cache (``prefix_cache``, on by default): a new sequence starts from the pooled (or a live)
 context sharing the longest prefix of its ids, reusing only what gives a fresh prefill's very
-numbers (``BLOCK``), so a sequence's numbers do not depend on what ran before it either.
+numbers (``BLOCK``), so a sequence's numbers do not depend on what ran before it either (the
+contexts and these rules: ``tokenfuse.members.llamacpp_cache``). ``unload`` frees the contexts, and
+the model with the last member on it, while llama-cpp-python can still free them.
 
 How a sequence is cut into decode calls changes llama.cpp's numbers on this CPU build: a
 one-token call takes other attention kernels than a longer one, the weight matrices of some
@@ -42,7 +44,6 @@ also imports the library and routes its log lines.)
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from pathlib import Path
@@ -52,25 +53,13 @@ import numpy as np
 import torch
 
 from tokenfuse.errors import ModelLoadError
-from tokenfuse.members.base import LocalMember, SeqState, cpu_cores
+from tokenfuse.members.base import LocalMember, SeqState, Shared, cpu_cores
 from tokenfuse.members.codec import load_or_build_codec
 from tokenfuse.members.embeddings import EmbeddingRows
+from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, common_prefix, prompt_head,
+                                               reusable_prefix, reusable_prefix_exact, start_at_a_block)
 from tokenfuse.members.llamacpp_lib import LOAD_LOCK, exact_calls_for_build, import_llama_cpp, weights_as_stored
 
-# llama.cpp's CPU kernels compute a decode call of fewer than BLOCK ids differently from a longer one
-# and group the rows of a longer one from its first position (scripts/measure_split.py). A cached
-# prefix is therefore reused only where that gives a fresh prefill's very numbers: up to a multiple
-# of BLOCK, within the positions the cache computed as a fresh prefill does (``_Slot.exact``), with at
-# least BLOCK ids left to feed; and long feeds are cut at absolute multiples of ``n_batch``.
-BLOCK = 8
-# A live sequence's cache is copied for a new one when that saves at least this many ids over the
-# best pooled context: one block (copying a short cache takes a few ms, feeding a block tens of ms).
-COPY_MIN = BLOCK
-# exact_calls (flash attention on, weights not repacked; measured on the bundled files, checked by
-# tests/test_llamacpp.py): a call of at most SMALL ids computes every row as a one-id call does; calls
-# of whole LARGE-blocks starting at a multiple of LARGE compute every row as one long call does.
-SMALL = 7
-LARGE = 64
 # exact_calls' KV cache type, GGML_TYPE_BF16 (llama-cpp-python names no constant for it): keeps a
 # one-id call from the thread-split attention path (F16/F32 keys and values, 512+ cached positions).
 EXACT_KV_TYPE = 30
@@ -79,64 +68,6 @@ EXACT_KV_TYPE = 30
 def _put(b: Any, j: int, token: int, pos: int, seq: int) -> None:
     """Write one token into position ``j`` of a llama.cpp batch (no logits requested)."""
     b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j], b.logits[j] = token, pos, seq, 1, False
-
-
-class _Slot:
-    """One llama.cpp context holding one sequence's KV cache."""
-
-    def __init__(self, ctx: Any, batch: Any) -> None:
-        self.ctx = ctx
-        self.batch = batch
-        self.n = 0  # positions in the cache
-        self.exact = 0  # positions [0, exact) were computed as a fresh prefill computes them (BLOCK)
-        self.threads = 0  # the thread count last set on its context
-        self.owner: SeqState | None = None  # the live sequence using it; None while pooled
-        self.ids: list[int] = []  # while pooled: the ids its cache still holds (prefix reuse)
-
-    def cached_ids(self) -> list[int]:
-        """Ids whose keys and values the cache holds correctly (a prefix of what was fed)."""
-        if self.owner is None:
-            return self.ids
-        return self.owner.all_ids()[: min(self.owner.n_valid, self.n)]
-
-
-def _reusable(common: int, exact: int, total: int, limit: int) -> int:
-    """How many of a cache's ids a sequence of ``total`` ids sharing ``common`` with them may reuse
-    and still get a fresh prefill's numbers (``BLOCK``); at most ``limit``."""
-    n = min(common, exact, limit, total - BLOCK)
-    return max(0, n - n % BLOCK)
-
-
-def _reusable_exact(common: int, exact: int, head: int, limit: int) -> int:
-    """``_reusable`` under ``exact_calls``, for a sequence whose prompt's whole ``LARGE``-blocks end at
-    ``head``: the cache's rows ``[0, exact)`` came from block calls, the rest from short calls, and a
-    reused row must have been computed as this sequence computes it (rows below ``head`` in block
-    calls, the others in short calls); a feed inside the blocks starts at a block boundary."""
-    n = min(common, limit)
-    if exact != head:
-        n = min(n, exact, head)
-    if n < head:
-        n -= n % LARGE
-    return max(0, n)
-
-
-def _head(st: SeqState) -> int:
-    """Where the whole ``LARGE``-blocks of ``st``'s prompt end (``exact_calls``)."""
-    return len(st.prompt_ids) - len(st.prompt_ids) % LARGE
-
-
-def _start_at_a_block(st: SeqState) -> None:
-    """``exact_calls``: a feed inside the prompt's blocks starts at a block boundary (crop further)."""
-    if st.n_valid < _head(st):
-        st.n_valid -= st.n_valid % LARGE
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    if n <= 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
 
 
 class LlamaCppMember(LocalMember):
@@ -171,6 +102,7 @@ class LlamaCppMember(LocalMember):
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"member {name!r}: llama.cpp cannot load {self.path}: {err}") from err
         self._lib = llama_cpp
+        self._model_users = Shared(self.llm.close).take()  # freed with the last member on it (``unload``)
         self.fixed_threads = n_threads  # None: the member pool's share of the cores (``share_cores``)
         self._init_state(prefix_cache=prefix_cache, multi_seq=multi_seq, n_ctx=n_ctx)
         self._free = [self._new_slot(self.llm._ctx)]  # pooled contexts, least recently used first
@@ -189,20 +121,20 @@ class LlamaCppMember(LocalMember):
         m = cls.__new__(cls)
         m.name, m.tokenizer, m.weight, m.path, m.n_batch = name, other.tokenizer, float(weight), other.path, other.n_batch
         m.llm, m._lib, m.codec, m.fixed_threads = other.llm, other._lib, other.codec, other.fixed_threads
-        m.weight_bytes, m.exact_calls = other.weight_bytes, other.exact_calls
+        m.weight_bytes, m.exact_calls, m._model_users = other.weight_bytes, other.exact_calls, other._model_users.take()
         m._init_state(prefix_cache=other.prefix_cache, multi_seq=other.multi_seq, n_ctx=other.context_length)
         return m
 
     def _init_state(self, *, prefix_cache: bool, multi_seq: int, n_ctx: int) -> None:
         self.n_vocab = self.llm.n_vocab()
-        self._free: list[_Slot] = []  # pooled contexts, least recently used first
-        self._busy: list[_Slot] = []
+        self._free: list[Slot] = []  # pooled contexts, least recently used first
+        self._busy: list[Slot] = []
         self.prefix_cache = prefix_cache
         self.prefix_stats = {"sequences": 0, "reused": 0, "copied": 0, "fed": 0}
         # multi_seq > 0: all sequences share one context with that many sequence ids, and a step
         # decodes every sequence's new tokens in one llama.cpp batch (opt-in: docs/benchmarks.md, "Batched decoding").
         self.multi_seq = multi_seq
-        self._multi: _Slot | None = None
+        self._multi: Slot | None = None
         self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
         self.context_length = n_ctx
         self.threads = self.fixed_threads or cpu_cores()
@@ -214,7 +146,7 @@ class LlamaCppMember(LocalMember):
         if self.fixed_threads is None:
             self.threads = max(1, int(n))
 
-    def _threads_on(self, slot: _Slot) -> None:
+    def _threads_on(self, slot: Slot) -> None:
         """Give ``slot``'s context the member's current thread count."""
         if slot.threads != self.threads:
             self._lib.llama_set_n_threads(slot.ctx.ctx, self.threads, self.threads)
@@ -226,23 +158,17 @@ class LlamaCppMember(LocalMember):
         mask = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNUSED | lib.LLAMA_TOKEN_ATTR_UNKNOWN
         return [i for i in range(self.n_vocab) if lib.llama_vocab_get_attr(vocab, i) & mask]
 
-    def _new_slot(self, ctx: Any = None) -> _Slot:
+    def _new_slot(self, ctx: Any = None) -> Slot:
         from llama_cpp._internals import LlamaBatch, LlamaContext
 
         if ctx is None:
             with LOAD_LOCK:
                 ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
-        return _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
+        return Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
 
     def embedding_rows(self) -> EmbeddingRows:
         """The GGUF's ``token_embd.weight``, memory-mapped (rows dequantised on demand)."""
         return EmbeddingRows(gguf_path=self.path)
-
-    def token_piece(self, token_id: int) -> bytes:
-        """llama.cpp's own bytes for a token id (text tokens; specials give b"")."""
-        buf = ctypes.create_string_buffer(256)
-        n = self._lib.llama_token_to_piece(self.llm._model.vocab, token_id, buf, len(buf), 0, False)
-        return buf.raw[:n] if n >= 0 else b""
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         return self._forward_multi(states) if self.multi_seq else super()._forward_batch(states)
@@ -289,7 +215,7 @@ class LlamaCppMember(LocalMember):
             params.n_ctx = self.context_length * self.multi_seq
             with LOAD_LOCK:
                 ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
-            self._multi = _Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
+            self._multi = Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
         self._threads_on(self._multi)
         return self._multi.ctx, self._multi.batch
 
@@ -301,7 +227,7 @@ class LlamaCppMember(LocalMember):
                 raise ModelLoadError(f"member {self.name!r}: more than multi_seq={self.multi_seq} live sequences")
             st.cache, st.n_valid = [self._free_seq_ids.pop(), 0], 0
         if self.exact_calls:
-            _start_at_a_block(st)
+            start_at_a_block(st)
         seq, cached = st.cache
         if cached > st.n_valid:
             ctx.kv_cache_seq_rm(seq, st.n_valid, -1)
@@ -318,7 +244,7 @@ class LlamaCppMember(LocalMember):
         want = want or {id(st): {st.length - 1} for st, _ in work}
         b, out, queue = batch.batch, {}, []
         for st, ids in work:
-            seq, start, head = st.cache[0], st.cache[1], _head(st)
+            seq, start, head = st.cache[0], st.cache[1], prompt_head(st)
             while start < head:
                 stop, _ = self._call_end(start, st.length, head)
                 for j, tok in enumerate(ids[: stop - start]):
@@ -341,7 +267,7 @@ class LlamaCppMember(LocalMember):
                        if pos in want[id(st)])
         return out
 
-    def _acquire(self, st: SeqState, limit: int) -> _Slot:
+    def _acquire(self, st: SeqState, limit: int) -> Slot:
         """A context for a new sequence; with ``prefix_cache``, the one whose cache shares the longest
         prefix (of at most ``limit`` ids: the first position whose logits are wanted is fed) with
         the sequence's ids (a pooled context as is, or a live one's cache copied)."""
@@ -350,10 +276,10 @@ class LlamaCppMember(LocalMember):
         slot, reuse = None, 0  # the forward crops the cache to ``reuse`` ids and feeds the rest
         if self.prefix_cache:
             def reusable(cached: list[int], exact: int) -> int:
-                common = _common_prefix(cached, ids, limit)
+                common = common_prefix(cached, ids, limit)
                 if self.exact_calls:
-                    return _reusable_exact(common, exact, _head(st), limit)
-                return _reusable(common, exact, len(ids), limit)
+                    return reusable_prefix_exact(common, exact, prompt_head(st), limit)
+                return reusable_prefix(common, exact, len(ids), limit)
 
             pooled = [reusable(sl.ids, sl.exact) for sl in self._free]
             best = int(np.argmax(pooled)) if pooled else -1
@@ -362,7 +288,7 @@ class LlamaCppMember(LocalMember):
             donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
             if donor is not None and donor_n >= reuse + COPY_MIN:
                 slot = self._least_recent()  # gets a copy of the live context's cache
-                copied = self._copy_cache(donor, slot)
+                copied = slot.copy_from(donor, self._lib)
                 reuse = donor_n if copied else 0
                 self.prefix_stats["copied"] += copied
             elif reuse > 0:
@@ -375,7 +301,7 @@ class LlamaCppMember(LocalMember):
         self._busy.append(slot)
         return slot
 
-    def _copyable(self, slot: _Slot) -> bool:
+    def _copyable(self, slot: Slot) -> bool:
         """Whether a copy of ``slot``'s cache gives a fresh prefill's numbers: not for a model with
         sliding-window layers (Gemma-3) once the cache is longer than the window — the copy then
         holds another set of cells for those layers, and a longer or shorter row of attention scores
@@ -383,23 +309,9 @@ class LlamaCppMember(LocalMember):
         past 512 ids; the test in tests/test_llamacpp.py)."""
         return self.swa_window <= 0 or slot.n <= self.swa_window
 
-    def _least_recent(self) -> _Slot:
+    def _least_recent(self) -> Slot:
         """The pooled context released longest ago, or a new one."""
         return self._free.pop(0) if self._free else self._new_slot()
-
-    def _copy_cache(self, src: _Slot, dst: _Slot) -> bool:
-        """Copy ``src``'s whole cache into ``dst`` (llama.cpp's sequence state); False if it failed."""
-        lib = self._lib
-        size = lib.llama_state_seq_get_size(src.ctx.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        got = lib.llama_state_seq_get_data(src.ctx.ctx, buf, size, 0)
-        dst.ctx.kv_cache_seq_rm(0, 0, -1)
-        ok = got > 0 and lib.llama_state_seq_set_data(dst.ctx.ctx, buf, got, 0) == got
-        dst.n = src.n if ok else 0
-        dst.exact = src.exact if ok else 0
-        if not ok:
-            dst.ctx.kv_cache_seq_rm(0, 0, -1)
-        return ok
 
     def _forward(self, st: SeqState) -> torch.Tensor:
         return self._feed(st, [st.length])[0]
@@ -417,12 +329,12 @@ class LlamaCppMember(LocalMember):
     def _feed(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
         """Crop the cache to ``n_valid`` and feed the rest in batches of ``n_batch`` ids, asking
         llama.cpp for the logits of the positions in ``ends`` only."""
-        slot: _Slot = st.cache
+        slot: Slot = st.cache
         if slot is None:
             slot = st.cache = self._acquire(st, ends[0] - 1)
-        head = _head(st) if self.exact_calls else 0
+        head = prompt_head(st) if self.exact_calls else 0
         if self.exact_calls:
-            _start_at_a_block(st)
+            start_at_a_block(st)
         if slot.n > st.n_valid:
             if not slot.ctx.kv_cache_seq_rm(0, st.n_valid, -1):  # cannot cut here: start over
                 slot.ctx.kv_cache_seq_rm(0, 0, -1)
@@ -452,7 +364,7 @@ class LlamaCppMember(LocalMember):
 
     def _call_end(self, start: int, total: int, head: int) -> tuple[int, bool]:
         """Where the decode call feeding ids from ``start`` (of ``total``) ends, and whether its rows
-        are a fresh prefill's (they extend ``_Slot.exact``). Default: calls end at multiples of
+        are a fresh prefill's (they extend ``Slot.exact``). Default: calls end at multiples of
         ``n_batch``, wherever the feed started (``BLOCK``). ``exact_calls``: the prompt's blocks below
         ``head`` in calls of whole ``LARGE``-blocks, every other id in calls of at most ``SMALL``."""
         if not self.exact_calls:
@@ -468,12 +380,14 @@ class LlamaCppMember(LocalMember):
         return torch.log_softmax(torch.from_numpy(logits), dim=-1)  # a new tensor: llama.cpp's buffer is only read
 
     def release(self, state: SeqState) -> None:
+        if self.unloaded:  # its contexts are freed already
+            state.cache = None
         if self.multi_seq and isinstance(state.cache, list):
             self._multi.ctx.kv_cache_seq_rm(state.cache[0], 0, -1)
             self._free_seq_ids.append(state.cache[0])
             state.cache = None
         slot = state.cache
-        if isinstance(slot, _Slot):
+        if isinstance(slot, Slot):
             keep = min(slot.n, state.n_valid) if self.prefix_cache else 0
             slot.ids = state.all_ids()[:keep]
             if slot.n > keep:
@@ -483,6 +397,13 @@ class LlamaCppMember(LocalMember):
             self._busy.remove(slot)
             self._free.append(slot)
         super().release(state)
+
+    def _unload(self) -> None:
+        """Free its contexts, then the model with the last member on it (a self-ensemble's copies share it)."""
+        for slot in self._free + self._busy + ([self._multi] if self._multi is not None else []):
+            slot.close()
+        self._free, self._busy, self._multi = [], [], None
+        self._model_users.drop()
 
 
 def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,

@@ -47,17 +47,9 @@ from typing import Any
 
 import torch
 
-from tokenfuse.errors import ConfigError, ModelLoadError, TokenfuseError
+from tokenfuse.errors import ConfigError, MemberUnavailableError, ModelLoadError, TokenfuseError
 from tokenfuse.members.base import Member, SeqState
 from tokenfuse.members.codec import load_or_build_codec
-
-
-class MemberUnavailableError(TokenfuseError):
-    """A member could not answer (its server or actor failed after retries)."""
-
-    def __init__(self, member: str, message: str) -> None:
-        super().__init__(f"member {member!r} is unavailable: {message}")
-        self.member = member
 
 
 @dataclass
@@ -75,10 +67,6 @@ class _Remote:
 
     prompt_text: str | None
     top: _Top | None = None
-
-
-class _Retry(Exception):
-    """A failure worth retrying (connection, timeout, 5xx, 429)."""
 
 
 class RemoteMember(Member):
@@ -112,6 +100,7 @@ class RemoteMember(Member):
         self.context_length = context_length
         self.cooldown = cooldown
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._own_client = client is None  # unload closes only a client it made
         self.client = client or httpx.Client(timeout=timeout, headers=headers)
         self.codec = load_or_build_codec(tokenizer, vocab_size=len(tokenizer), cache=align_cache)
         self.vocab_size = len(self.codec.token_bytes)
@@ -150,7 +139,7 @@ class RemoteMember(Member):
         return ids
 
     def new_state(self, prompt_ids: Sequence[int]) -> SeqState:
-        st = SeqState(prompt_ids=list(prompt_ids))
+        st = super().new_state(prompt_ids)
         st.cache = _Remote(self._texts.pop(tuple(prompt_ids), None))
         return st
 
@@ -208,9 +197,16 @@ class RemoteMember(Member):
             state.cache.top = None
         state.logprobs = None
 
+    def _unload(self) -> None:
+        """Stop its request threads and close its HTTP client (one it was given stays open)."""
+        self._pool.shutdown(wait=True)
+        if self._own_client:
+            self.client.close()
+
     # ------------------------------------------------------------------ requests
     def _tops(self, states: Sequence[SeqState]) -> list[_Top]:
         """Each state's top-k answer for its current ids (one request per state that changed)."""
+        self.check_loaded()
         todo = [st for st in states if _stale(st)]
         if len(todo) > 1:
             results = list(self._pool.map(self._ask, todo))

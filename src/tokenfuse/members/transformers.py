@@ -47,6 +47,12 @@ class TransformersMember(LocalMember):
         """The model's own input-embedding weight (never copied)."""
         return EmbeddingRows(tensor=self.model.get_input_embeddings().weight)
 
+    def _unload(self) -> None:
+        """Drop the model: its weights are freed once no member holds it (a self-ensemble's copies share it)."""
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _forward(self, st: SeqState) -> torch.Tensor:
         return self._forward_at(st, [st.length])[0]
 

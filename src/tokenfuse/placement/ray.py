@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenfuse.errors import ModelNotInstalledError
-from tokenfuse.members.base import Member, SeqState, kept_logprobs
-from tokenfuse.members.remote import MemberUnavailableError
+from tokenfuse.errors import MemberUnavailableError, ModelNotInstalledError
+from tokenfuse.members.base import Member, SeqState, Shared, kept_logprobs
 
 
 def import_ray():
@@ -124,6 +123,7 @@ class RayMember(Member):
         self.context_length = info["context_length"]
         self.load_seconds = info["load_seconds"]
         self.call_timeout = call_timeout
+        self.group: Shared | None = None  # its placement group, removed when its last member unloads
         self._keys = itertools.count()
         self._fresh = 0  # sequence keys below this one may be gone from the actor (it failed)
 
@@ -140,6 +140,7 @@ class RayMember(Member):
         return out
 
     def _call(self, method: str, *args):
+        self.check_loaded()
         ray = import_ray()
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=self.call_timeout)
@@ -191,10 +192,19 @@ class RayMember(Member):
             raise MemberUnavailableError(self.name, "its Ray actor was restarted during a step") from None
 
     def release(self, state: SeqState) -> None:
-        if state.cache is not None:
+        if state.cache is not None and not self.unloaded:
             self.actor.release.remote([state.cache])  # fire and forget
         state.cache = None
         state.logprobs = None
+
+    def _unload(self) -> None:
+        """End its actor (the model and caches go with it), and the placement group with the last of its
+        members; nothing to do once Ray is shut down (at exit Ray may have ended them first)."""
+        ray = import_ray()
+        if ray.is_initialized():
+            ray.kill(self.actor, no_restart=True)
+            if self.group is not None:
+                self.group.drop()
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -213,7 +223,7 @@ def place_members(factories: Sequence[Callable[[], Member]], *, num_cpus: Sequen
     docstring: set it with restarts).
     """
     ray = import_ray()
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundles = [{"CPU": c, **({"GPU": g} if g else {})} for c, g in zip(num_cpus, num_gpus)]
@@ -231,8 +241,9 @@ def place_members(factories: Sequence[Callable[[], Member]], *, num_cpus: Sequen
     ]
     infos = ray.get([a.info.remote() for a in actors])
     members = [RayMember(a, info, call_timeout=call_timeout) for a, info in zip(actors, infos)]
+    group = Shared(functools.partial(remove_placement_group, pg))
     for m in members:
-        m.placement_group = pg
+        m.placement_group, m.group = pg, group.take()
     return members
 
 

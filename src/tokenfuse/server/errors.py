@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenfuse.errors import ConfigError, ModelLoadError, TokenfuseError
+from tokenfuse.errors import ConfigError, MemberUnavailableError, ModelLoadError, TokenfuseError
 from tokenfuse.server.scheduler import ContextError
 
 log = logging.getLogger("tokenfuse.server")
@@ -109,8 +109,6 @@ class InternalError(APIError):
 
 def from_exception(err: BaseException) -> APIError:
     """The API error for any exception (by type)."""
-    from tokenfuse.members.remote import MemberUnavailableError
-
     if isinstance(err, APIError):
         return err
     if isinstance(err, ConfigError):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from tokenfuse.engine import Ensemble, Prompt, Sequence
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.trace import PromptPiece, TraceOptions, TraceStep
-from tokenfuse.errors import TokenfuseError
+from tokenfuse.errors import MemberUnavailableError, TokenfuseError
 from tokenfuse.server.ensembles import EnsemblePool
 
 log = logging.getLogger("tokenfuse.server")
@@ -222,8 +222,6 @@ class Scheduler:
         return None
 
     def _step(self, jobs: list[Job]) -> None:
-        from tokenfuse.members.remote import MemberUnavailableError
-
         ens = jobs[0].ens
         try:
             ens.step([j.seq for j in jobs])  # one event per sequence, or several (speculative decoding)

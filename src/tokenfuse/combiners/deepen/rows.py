@@ -101,17 +101,6 @@ class RelativeRows:
         self.build_seconds = 0.0
         self.from_cache = False
 
-    def sibling(self, *, capacity: int | None = None, row_dtype: torch.dtype | None = None,
-                temperature: float | None = None, compute_dtype: torch.dtype | None = None) -> RelativeRows:
-        """The same member and anchors with its own (empty, memory-only) row store; shares the anchor matrix."""
-        dtype = self.compute_dtype if compute_dtype is None else compute_dtype
-        other = RelativeRows(self.source, self.anchor_ids, label=self.label, compute_dtype=dtype,
-                             temperature=self.temperature if temperature is None else temperature,
-                             capacity=self.capacity if capacity is None else capacity,
-                             row_dtype=self.row_dtype if row_dtype is None else row_dtype)
-        other._anchors = self.anchor_matrix.to(dtype)
-        return other
-
     # ------------------------------------------------------------------ anchors (lazy)
     @property
     def anchor_matrix(self) -> torch.Tensor:
@@ -230,12 +219,6 @@ class RelativeRows:
     @property
     def stored(self) -> int:
         return len(self._slot)
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes held: the anchor matrix plus the stored rows."""
-        anchors = 0 if self._anchors is None else self._anchors.numel() * self._anchors.element_size()
-        return anchors + self.stored * self.n_anchors * torch.finfo(self.row_dtype).bits // 8
 
     # ------------------------------------------------------------------ persistence of rows
     def save(self) -> Path | None:

@@ -1,0 +1,132 @@
+"""Releasing an ensemble's members: ``Ensemble.unload``, ``with``, and a script that exits quietly."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tokenfuse import Ensemble, TokenfuseError
+from tokenfuse.members.base import reweighted
+from tokenfuse.members.fasttok import FastTokenizer
+from tokenfuse.members.remote import RemoteMember
+from tokenfuse.members.transformers import TransformersMember
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_python_example() -> str:
+    """The first ```python block under the README's first "## ...Python..." heading."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.split(r"\n## [^\n]*Python[^\n]*\n", text, maxsplit=1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.fixture
+def pair(make_tiny, one_thread):
+    """Two fresh tiny members (their models are shared with other tests; unloading drops only these)."""
+    return [make_tiny("smollm2", seed=0, name="A"), make_tiny("qwen", seed=1, name="B")]
+
+
+def test_with_unloads_and_later_use_is_a_clear_error(pair, align_cache):
+    with Ensemble(pair, align_cache=align_cache) as ens:
+        assert ens.generate("Hi", max_new_tokens=3).steps == 3
+        seq = ens.open("Hello", max_new_tokens=4)
+        ens.step([seq])
+        stream = ens.stream("Once", max_new_tokens=4)
+        next(stream)
+    assert all(m.unloaded and m.model is None for m in pair)
+    with pytest.raises(TokenfuseError, match="member 'A' was unloaded"):
+        ens.generate("Hi", max_new_tokens=3)
+    with pytest.raises(TokenfuseError, match="unloaded"):
+        ens.step([seq])  # a sequence opened before
+    with pytest.raises(TokenfuseError, match="unloaded"):
+        ens.loglikelihood([("The sky is", " blue")])
+    ens.close(seq)  # freeing what is left stays safe
+    stream.close()
+    ens.unload()  # twice: nothing more to do
+
+
+def test_an_error_in_the_block_still_unloads(pair, align_cache):
+    with pytest.raises(ValueError, match="boom"), Ensemble(pair, align_cache=align_cache):
+        raise ValueError("boom")
+    assert all(m.unloaded for m in pair)
+
+
+def test_views_and_shared_models(pair, align_cache):
+    base = Ensemble(pair, align_cache=align_cache)
+    a = pair[0]
+    copy = TransformersMember("A2", a.model, a.tokenizer, align_cache=align_cache)  # a self-ensemble's copy
+    want = Ensemble.single(copy, align_cache=align_cache).generate("Hi", max_new_tokens=3).text
+    views = Ensemble([reweighted(a, 2.0), pair[1]], align_cache=align_cache)  # e.g. a server request's
+    views.unload()  # the view unloads the member it shows, once
+    assert a.unloaded and pair[1].unloaded
+    base.unload()  # again for the same members: harmless
+    with pytest.raises(TokenfuseError, match="unloaded"):
+        base.generate("Hi", max_new_tokens=3)
+    assert Ensemble.single(copy, align_cache=align_cache).generate("Hi", max_new_tokens=3).text == want
+
+
+def test_remote_member_closes_only_its_own_client(tokenizer_dirs, align_cache):
+    tok = FastTokenizer(tokenizer_dirs["smollm2"])
+    own = RemoteMember("r", tok, base_url="http://127.0.0.1:1/v1", model="m", align_cache=align_cache)
+    given = httpx.Client()
+    lent = RemoteMember("g", tok, base_url="http://127.0.0.1:1/v1", model="m", client=given, align_cache=align_cache)
+    st = own.new_state(own.encode_prompt("Hello"))
+    for m in (own, lent):
+        m.unload()
+        m.unload()
+    assert own.client.is_closed and not given.is_closed
+    with pytest.raises(TokenfuseError, match="member 'r' was unloaded"):
+        own.next_topk([st], 3)
+    with pytest.raises(TokenfuseError, match="member 'g' was unloaded"):
+        lent.new_state([1, 2])
+    given.close()
+
+
+@pytest.mark.real
+def test_llamacpp_shared_model_is_freed_with_its_last_member():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh installs it)")
+    from tokenfuse.config import MemberConfig, parse_config
+    from tokenfuse.load import load_ensemble, load_member
+    from tokenfuse.placement.local import share_member
+
+    first = load_member(MemberConfig(name="o", source="smollm2-135m-instruct", backend="llamacpp"), progress=False)
+    copy = share_member(first, MemberConfig(name="s", source="smollm2-135m-instruct", backend="llamacpp"))
+    alone, other = Ensemble.single(first), Ensemble.single(copy)
+    want = other.generate("The capital of France is", max_new_tokens=6).text
+    alone.generate("The capital of France is", max_new_tokens=6)
+    alone.unload()
+    assert first.unloaded and copy.llm is first.llm and copy.llm.model is not None
+    assert other.generate("The capital of France is", max_new_tokens=6).text == want
+    other.unload()
+    assert copy.llm.model is None  # freed with the last member on it
+
+    cfg = parse_config({"members": [{"name": "a", "source": "smollm2-135m-instruct", "backend": "llamacpp"},
+                                    {"name": "b", "source": "smollm2-135m-instruct", "backend": "llamacpp"}]})
+    with load_ensemble(cfg, progress=False) as ens:  # a self-ensemble: one model, two members
+        a, b = ens.members
+        assert a.llm is b.llm
+        seq = ens.open("Hello", max_new_tokens=4)
+        ens.step([seq])
+    assert a.llm.model is None
+    with pytest.raises(TokenfuseError, match="unloaded"):
+        ens.step([seq])
+    ens.close(seq)
+
+
+@pytest.mark.real
+def test_readme_python_example_exits_cleanly(tokenizer_dirs):
+    """The README's Python quick start, run as a script, leaves nothing on stderr but progress lines:
+    no traceback at exit (llama-cpp-python freeing its models after its module is gone)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", readme_python_example()], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
+    assert "Paris" in run.stdout
