@@ -130,3 +130,25 @@ def test_readme_python_example_exits_cleanly(tokenizer_dirs):
     assert run.returncode == 0, run.stderr
     assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
     assert "Paris" in run.stdout
+
+
+HAND_BUILT = """
+from tokenfuse.config import MemberConfig
+from tokenfuse.engine import Ensemble
+from tokenfuse.load import load_member
+
+members = [load_member(MemberConfig(name=n, backend="llamacpp"), progress=False)
+           for n in ("smollm2-135m-instruct", "gemma3-270m")]
+ens = Ensemble(members)  # built by hand, never unloaded: the engine's exit hook does it
+print(ens.generate("The capital of France is", max_new_tokens=4).steps)
+"""
+
+
+@pytest.mark.real
+def test_a_hand_built_ensemble_left_open_exits_cleanly(tokenizer_dirs):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", HAND_BUILT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr
+    assert run.stdout.strip() == "4"
