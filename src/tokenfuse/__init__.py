@@ -1,6 +1,6 @@
 """tokenfuse: several LLMs with different tokenizers generating as one model, token by token."""
 
-from tokenfuse.engine import Ensemble, Generation, Sequence, StepEvent, TwoFormPrompt
+from tokenfuse.engine import Ensemble, Generation, OpenSequence, StepEvent, TwoFormPrompt
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.errors import ConfigError, ModelNotInstalledError, TokenfuseError
 
@@ -11,8 +11,8 @@ __all__ = [
     "Ensemble",
     "Generation",
     "ModelNotInstalledError",
+    "OpenSequence",
     "Sampling",
-    "Sequence",
     "StepEvent",
     "TokenfuseError",
     "TwoFormPrompt",

@@ -19,14 +19,14 @@ interface: the one that gates gives step 1's gate member and threshold (threshol
 prompt scores), add per-row log weight factors to the combiner's view (prompt weights, confidence)
 and ``revise`` a choice (select's word boundary). This module only orchestrates.
 
-A traced sequence (``Sequence.trace``) also gets a ``StepRecord`` in its ``Decision`` (``trace.py``):
+A traced sequence (``OpenSequence.trace``) also gets a ``StepRecord`` in its ``Decision`` (``trace.py``):
 its group is then combined on agreement-skipped rows too (for the record only) and top-k members
 are asked for at least the trace's k tokens. Untraced groups do none of this.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -38,7 +38,7 @@ from tokenfuse.combiners.base import Combiner, Dist, StepView
 from tokenfuse.engine.options import EnsembleOptions
 from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import choose
-from tokenfuse.engine.sequence import Decision, Sequence
+from tokenfuse.engine.sequence import Decision, OpenSequence
 from tokenfuse.engine.strategies import Strategy, build_strategies
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import record_step
@@ -50,7 +50,7 @@ Group = tuple[list[int], list[int]]  # (rows of the batch, the members that deci
 class Decider:
     """Decides one step for a batch of sequences (see the module docstring)."""
 
-    def __init__(self, members: Seq[Member], space: VocabSpace, combiner: Combiner, pool: MemberPool,
+    def __init__(self, members: Sequence[Member], space: VocabSpace, combiner: Combiner, pool: MemberPool,
                  timer: StageTimer, options: EnsembleOptions, *, primary: int) -> None:
         self.members = list(members)
         self.names = [m.name for m in self.members]
@@ -69,7 +69,7 @@ class Decider:
         self.speculative_ok = all(st.speculative for st in self.strategies)
 
     # ------------------------------------------------------------------ members
-    def forward(self, which: list[int], seqs: list[Sequence], *, trace_k: int = 0) -> dict[int, MemberOutput]:
+    def forward(self, which: list[int], seqs: list[OpenSequence], *, trace_k: int = 0) -> dict[int, MemberOutput]:
         """Members ``which`` on ``seqs`` (timed as ``forward``); a top-k combiner's members give at
         least ``trace_k`` entries (a traced step shows them; ``view`` passes the combiner its own k)."""
         if not seqs:
@@ -80,7 +80,7 @@ class Decider:
             topk = max(self.combiner.k, trace_k) if self.combiner.needs == "topk" else 0
             return self.pool.forward(which, states, topk=topk)
 
-    def groups(self, seqs: list[Sequence]) -> list[Group]:
+    def groups(self, seqs: list[OpenSequence]) -> list[Group]:
         """Rows of ``seqs`` and the members that decide them: all weighted members, or with a gate
         the gate alone where its top probability is above the threshold and the weighted members
         (the gate among them if weighted) elsewhere."""
@@ -109,18 +109,18 @@ class Decider:
             groups.append((unsure, sorted(set(others) | ({g} if weights[g] > 0 else set())) or [g]))
         return groups
 
-    def prepare(self, seqs: list[Sequence]) -> None:
+    def prepare(self, seqs: list[OpenSequence]) -> None:
         """Every strategy's ``prepare`` (before a forward of ``seqs``; PackLLM scores new prompts)."""
         for st in self.strategies:
             st.prepare(seqs)
 
-    def view(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
+    def view(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput],
              pick: torch.Tensor | None = None) -> StepView:
         """The combiner's view of ``seqs`` from the members' outputs (rows ``pick`` of them, if given)."""
         return self.states_view({i: [s.states[i] for s in seqs] for i in members}, members, outs, pick, seqs=seqs)
 
     def states_view(self, states: dict[int, list[SeqState]], members: list[int], outs: dict[int, MemberOutput],
-                    pick: torch.Tensor | None = None, *, seqs: list[Sequence] | None = None) -> StepView:
+                    pick: torch.Tensor | None = None, *, seqs: list[OpenSequence] | None = None) -> StepView:
         """``view`` from each member's states of the rows (one-forward scoring builds its own), with the
         strategies' per-row log weight factors summed in their order; ``seqs`` (the rows' sequences)
         carry what strategies keep per sequence (PackLLM's prompt scores)."""
@@ -140,7 +140,7 @@ class Decider:
         return view
 
     # ------------------------------------------------------------------ the decision
-    def decide(self, seqs: list[Sequence]) -> list[Decision]:
+    def decide(self, seqs: list[OpenSequence]) -> list[Decision]:
         decisions: list[Decision | None] = [None] * len(seqs)
         gated = self.gate is not None
         for rows, members in self.groups(seqs):
@@ -152,7 +152,7 @@ class Decider:
                 decisions[r] = d
         return decisions
 
-    def decide_given(self, seqs: list[Sequence], outs: dict[int, MemberOutput]) -> list[Decision]:
+    def decide_given(self, seqs: list[OpenSequence], outs: dict[int, MemberOutput]) -> list[Decision]:
         """``decide`` from outputs already computed (``outs``: every member of ``computed()`` and the
         primary, on every row; each row's states keep the same rows as ``logprobs``), without any
         forward: the same groups, agreement skip, combination, choice and boundary rule. Untraced
@@ -166,7 +166,7 @@ class Decider:
                 decisions[r] = d
         return decisions
 
-    def _decide_group(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
+    def _decide_group(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput],
                       gated: bool, *, traced: bool = False) -> list[Decision]:
         """Decide every row of one group. With ``traced`` (some row is traced) the combination also
         covers agreement-skipped rows, for their trace only (their choice stays the agreed entry)."""
@@ -203,19 +203,19 @@ class Decider:
                 return Dist(view.project(members[0]))
             return self.combiner.combine(view)
 
-    def _traced(self, d: Decision, dist: Dist, j: int, outs: dict[int, MemberOutput], r: int, s: Sequence) -> Decision:
+    def _traced(self, d: Decision, dist: Dist, j: int, outs: dict[int, MemberOutput], r: int, s: OpenSequence) -> Decision:
         rec = record_step(self.space, self.members, self.primary, s.trace.options, d.entry, dist, j, outs, r, s.states,
                           gated=d.gated, ensembled=d.ensembled, skipped=d.skipped)
         return replace(d, trace=rec)
 
-    def _skip_enabled(self, seqs: list[Sequence], members: list[int]) -> bool:
+    def _skip_enabled(self, seqs: list[OpenSequence], members: list[int]) -> bool:
         greedy = all(s.sampling.greedy for s in seqs)
         if self.agreement_skip is None:
             # exact for greedy decoding; a member alone (gated rows) agrees with itself
             return greedy and (self.combiner.exact_agreement or len(members) == 1)
         return self.agreement_skip
 
-    def agreement(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput]) -> list[int]:
+    def agreement(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput]) -> list[int]:
         """Per row the union entry every member ranks first, or ``-1`` where they differ.
 
         A member's first entry is that of its most likely text id, provided no entry it holds under
@@ -248,7 +248,7 @@ class Decider:
                     agreed[r] = e
         return [max(a, -1) for a in agreed]
 
-    def choose(self, dist: Dist, row: int, s: Sequence) -> int:
+    def choose(self, dist: Dist, row: int, s: OpenSequence) -> int:
         p = dist.probs[row]
         if not s.sampling.greedy:
             return dist.entry(row, choose(p, s.sampling, s.generator))
@@ -258,7 +258,7 @@ class Decider:
             col = self._break_tie(dist, row, np.nonzero(arr == arr[col])[0].tolist(), s)
         return dist.entry(row, col)
 
-    def _break_tie(self, dist: Dist, row: int, cols: list[int], s: Sequence) -> int:
+    def _break_tie(self, dist: Dist, row: int, cols: list[int], s: OpenSequence) -> int:
         i = self.primary
         st = s.states[i]
         if st.logprobs is None:

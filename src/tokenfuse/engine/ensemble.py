@@ -5,7 +5,7 @@ distributions, the combiner merges them in the union space, one union entry (a p
 or END) is chosen, and every member is re-synchronised on the longer output. Nothing else is
 shared between members. Where each part lives:
 
-- ``sequence.Sequence``: one sequence's member states, output, stops, finishing and text out;
+- ``sequence.OpenSequence``: one sequence's member states, output, stops, finishing and text out;
 - ``decide.Decider``: which members run, agreement skip, combination and choice (a ``sequence.Decision``);
 - ``pool.MemberPool``: the members' forward passes, in threads;
 - ``likelihood``: teacher forcing; ``timer.StageTimer``: where the time goes;
@@ -21,8 +21,7 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
-from collections.abc import Iterator, Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from tokenfuse.engine.likelihood import Likelihood, RowMemo, score
 from tokenfuse.engine.pool import MemberPool
 from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids, prompt_token_count
 from tokenfuse.engine.sampling import Sampling
-from tokenfuse.engine.sequence import Generation, Sequence, StepEvent
+from tokenfuse.engine.sequence import Generation, OpenSequence, StepEvent
 from tokenfuse.engine.options import EnsembleOptions, options_error, own_params
 from tokenfuse.engine.speculative import Speculator
 from tokenfuse.engine.timer import StageTimer
@@ -73,7 +72,7 @@ class Ensemble:
             ensembles), else built or loaded.
     """
 
-    def __init__(self, members: Seq[Member], options: EnsembleOptions | None = None, *,
+    def __init__(self, members: Sequence[Member], options: EnsembleOptions | None = None, *,
                  align_cache: str | Path | None = None, union: UnionVocab | None = None, **fields: Any) -> None:
         if fields:
             try:
@@ -104,7 +103,7 @@ class Ensemble:
         return cls([member], window=window, parallel=False, align_cache=align_cache, scoring=scoring)
 
     def variant(self, options: EnsembleOptions | None = None, *,
-                weights: Seq[float] | Mapping[str, float] | None = None, progress: bool = False) -> Ensemble:
+                weights: Sequence[float] | Mapping[str, float] | None = None, progress: bool = False) -> Ensemble:
         """Another ensemble on these loaded members and this union: ``options`` (default: these),
         the members seen with ``weights`` (in member order, or ``{name: weight}`` with the others
         kept; ``members.base.Reweighted``, so sequences and caches stay the members' own), its
@@ -136,24 +135,24 @@ class Ensemble:
         return self.space.union
 
     # ------------------------------------------------------------------ sequences
-    def open(self, prompt: Prompt, *, chat: bool = False, sampling: Sampling = Sampling(), stop: Seq[str] = (),
-             max_new_tokens: int = 64, index: int = 0, trace: TraceOptions | None = None) -> Sequence:
+    def open(self, prompt: Prompt, *, chat: bool = False, sampling: Sampling = Sampling(), stop: Sequence[str] = (),
+             max_new_tokens: int = 64, index: int = 0, trace: TraceOptions | None = None) -> OpenSequence:
         """Start a sequence (every member encodes the prompt); run it with ``step``, free it with ``close``.
 
         Sequences opened separately can share a ``step`` (each keeps its own sampling options, stop
         strings and length limit), so callers such as a server can let requests join and leave a
-        running batch between steps. With ``trace`` its steps are recorded (``Sequence.take_steps``).
+        running batch between steps. With ``trace`` its steps are recorded (``OpenSequence.take_steps``).
         ``max_new_tokens=0`` opens a sequence that has already finished (``length``).
         """
         states = [m.new_state(prompt_ids(m, prompt, chat=chat)) for m in self.members]
         gen = None
         if not sampling.greedy:
             gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
-        return Sequence(index, states, self.space, self.options.window, sampling, [s.encode("utf-8") for s in stop if s],
+        return OpenSequence(index, states, self.space, self.options.window, sampling, [s.encode("utf-8") for s in stop if s],
                         max_new_tokens, gen, finished="length" if max_new_tokens <= 0 else None,
                         trace=Trace(trace) if trace is not None else None)
 
-    def step(self, active: list[Sequence]) -> list[StepEvent]:
+    def step(self, active: list[OpenSequence]) -> list[StepEvent]:
         """One decoding step for every sequence in ``active`` (all unfinished): one event per
         sequence, or with speculative decoding one or more for each sequence it runs (in order)."""
         spec = self.speculator
@@ -167,14 +166,14 @@ class Ensemble:
             events |= {id(s): spec.round(s) for s in active if id(s) not in events}
         return [ev for s in active for ev in events[id(s)]]
 
-    def close(self, s: Sequence) -> None:
+    def close(self, s: OpenSequence) -> None:
         """Free a sequence's per-member state (caches); safe to call twice."""
         for m, st in zip(self.members, s.states):
             m.release(st)
         s.finish("cancelled")
 
     # ------------------------------------------------------------------ whole calls
-    def steps(self, prompts: Seq[Prompt], *, max_new_tokens: int, sampling: Sampling, stop: Seq[str] = (),
+    def steps(self, prompts: Sequence[Prompt], *, max_new_tokens: int, sampling: Sampling, stop: Sequence[str] = (),
               chat: bool = False) -> Iterator[StepEvent]:
         """The decoding loop over a batch, one ``StepEvent`` per sequence per step; the sequences
         are closed when the loop ends."""
@@ -187,8 +186,8 @@ class Ensemble:
             for s in seqs:
                 self.close(s)
 
-    def generate(self, prompts: Prompt | Seq[Prompt], *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-                 stop: Seq[str] = (), chat: bool = False, trace: bool = False,
+    def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+                 stop: Sequence[str] = (), chat: bool = False, trace: bool = False,
                  trace_k: int = 5) -> Generation | list[Generation]:
         """Generate for one prompt (returns a ``Generation``) or a batch (returns a list).
 
@@ -214,7 +213,7 @@ class Ensemble:
         return results[0] if single else results
 
     def stream(self, prompt: Prompt, *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-               stop: Seq[str] = (), chat: bool = False, trace: bool = False,
+               stop: Sequence[str] = (), chat: bool = False, trace: bool = False,
                trace_k: int = 5) -> Iterator[str] | Iterator[TraceStep]:
         """Text pieces as they become final: never a split UTF-8 character, never a stop string.
 
@@ -271,7 +270,7 @@ class Ensemble:
                                      for e, v in t))
             for b, lp, t in zip(lk.piece_bytes, lk.piece_logprobs, tops)]
 
-    def loglikelihood(self, requests: Seq[tuple[Prompt, str]], *, chat: bool = False,
+    def loglikelihood(self, requests: Sequence[tuple[Prompt, str]], *, chat: bool = False,
                       stepwise: bool | None = None, memo: RowMemo | None = None) -> list[Likelihood]:
         """Log-likelihood of each ``(context, continuation)`` under the token-level ensemble
         (definition: ``tokenfuse.engine.likelihood``); ``stepwise`` takes the piece-by-piece
@@ -282,7 +281,7 @@ class Ensemble:
             stepwise = self.options.scoring == "stepwise"
         return self._score(requests, chat=chat, stepwise=stepwise, memo=memo)
 
-    def _score(self, requests: Seq[tuple[Prompt, str]], *, chat: bool, stepwise: bool, top: int = 0,
+    def _score(self, requests: Sequence[tuple[Prompt, str]], *, chat: bool, stepwise: bool, top: int = 0,
                memo: RowMemo | None = None) -> list[Likelihood]:
         seqs = [self.open(ctx, chat=chat, index=k) for k, (ctx, _) in enumerate(requests)]
         try:

@@ -17,7 +17,7 @@ Two ways to compute it, with the same definition:
 
 - **one forward** (default when every member that decides runs in this process): the members'
   re-synchronised ids before each piece depend only on the continuation's bytes, never on the
-  members' outputs, so they are worked out first (``Sequence.force`` without a forward). Each
+  members' outputs, so they are worked out first (``OpenSequence.force`` without a forward). Each
   member then feeds them in as few chunked forwards as possible, keeping the logits of exactly the
   positions a piece is scored from (``Member.logprobs_at``): one forward per run of pieces along
   which its ids only grow; a member whose token straddled a piece boundary and is re-tokenised
@@ -46,14 +46,14 @@ measured where they do not.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.pool import MemberOutput
-from tokenfuse.engine.sequence import Sequence
+from tokenfuse.engine.sequence import OpenSequence
 from tokenfuse.members.base import Member, SeqState, common_prefix
 
 
@@ -112,7 +112,7 @@ class RowMemo:
         return len(self._rows)
 
 
-def score(decider: Decider, seqs: list[Sequence], continuations: Seq[str], *,
+def score(decider: Decider, seqs: list[OpenSequence], continuations: Sequence[str], *,
           stepwise: bool = False, top: int = 0, memo: RowMemo | None = None) -> list[Likelihood]:
     """The likelihood of each continuation after its sequence's context (``seqs``, freshly opened;
     the caller closes them; the one-forward path hands each member's cache back as soon as a request's
@@ -147,7 +147,7 @@ def _log(p: float) -> float:
     return math.log(p) if p > 0 else float("-inf")
 
 
-def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], tops: list[list] | None = None,
+def _stepwise(decider: Decider, seqs: list[OpenSequence], cuts: list[list[int]], tops: list[list] | None = None,
               top: int = 0) -> tuple[list[list[float]], list[int]]:
     per_piece: list[list[float]] = [[] for _ in seqs]
     ensembled = [0] * len(seqs)
@@ -172,7 +172,7 @@ def _stepwise(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], top
     return per_piece, ensembled
 
 
-def _one_forward(decider: Decider, seqs: list[Sequence], cuts: list[list[int]], tops: list[list] | None = None,
+def _one_forward(decider: Decider, seqs: list[OpenSequence], cuts: list[list[int]], tops: list[list] | None = None,
                  top: int = 0, memo: RowMemo | None = None) -> tuple[list[list[float]], list[int]]:
     computed = decider.computed()
     if decider.prefills:  # PackLLM weights: each member scores its prompt first (its prefill)

@@ -95,7 +95,7 @@ class Generation:
 
 @dataclass(frozen=True)
 class SequenceSnapshot:
-    """A ``Sequence`` at one moment (``Sequence.snapshot``): its output length, steps and member states."""
+    """An ``OpenSequence`` at one moment (``OpenSequence.snapshot``): its output length, steps and member states."""
 
     output_len: int
     steps: int
@@ -103,8 +103,9 @@ class SequenceSnapshot:
 
 
 @dataclass(eq=False)
-class Sequence:
-    """One sequence (``Ensemble.open``): every member's state, the options and the output so far.
+class OpenSequence:
+    """One sequence, open from ``Ensemble.open`` until ``Ensemble.close``: every member's state, the
+    options and the output so far. (Not ``Sequence``: that name is ``collections.abc``'s.)
 
     Attributes:
         index: the caller's index for it (echoed in ``StepEvent.index``).

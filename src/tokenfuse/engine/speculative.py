@@ -3,7 +3,7 @@
 One round for one sequence:
 
 1. **Draft.** The drafter member alone proposes up to ``k`` pieces, greedily: its most likely
-   text token's piece, appended (``Sequence.force``, which re-synchronises every member on the
+   text token's piece, appended (``OpenSequence.force``, which re-synchronises every member on the
    bytes), ``k`` times — one plain one-position forward of the drafter each, exactly the forwards
    it makes in plain decoding. A draft stops early at END, at a piece the union cannot hold, one
    piece before the sequence's length limit and near the end of a member's context.
@@ -14,10 +14,10 @@ One round for one sequence:
    because re-synchronisation depends on the output bytes only.
 3. **Decide.** Position by position the engine's own decision is taken from those rows
    (``Decider.decide_given``: groups, gate, agreement skip, combination, choice, boundary rule —
-   the code plain decoding runs) and applied (``Sequence.apply``: stops, limit, re-sync). While it
+   the code plain decoding runs) and applied (``OpenSequence.apply``: stops, limit, re-sync). While it
    equals the drafted piece, the next position is decided; the first that differs, and the
    position after the last drafted piece, end the round with the ensemble's own choice. The draft
-   is taken back before deciding (``Sequence.snapshot``/``restore``: the output and the members' ids,
+   is taken back before deciding (``OpenSequence.snapshot``/``restore``: the output and the members' ids,
    not their caches); afterwards every member's cache keeps the positions the sequence still holds
    (``SeqState.reuse_cache``) and drops the rest, as rollback does.
 
@@ -41,7 +41,7 @@ from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import positions
 from tokenfuse.engine.options import SpeculativeOptions
 from tokenfuse.engine.pool import MemberOutput
-from tokenfuse.engine.sequence import Sequence, StepEvent
+from tokenfuse.engine.sequence import OpenSequence, StepEvent
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member
 
@@ -71,13 +71,13 @@ class Speculator:
             raise ConfigError(f"speculative.draft: {options.draft!r} does not run in this process; choose a local member")
         self.check = sorted(set(decider.computed()) | {decider.primary})  # every member a decision may read
 
-    def eligible(self, s: Sequence) -> bool:
+    def eligible(self, s: OpenSequence) -> bool:
         """Greedy, untraced, strategies that allow it (not PackLLM weights), every member that
         decides in this process."""
         return (s.sampling.greedy and s.trace is None and self.decider.speculative_ok
                 and all(self.members[i].in_process for i in self.check))
 
-    def round(self, s: Sequence) -> list[StepEvent]:
+    def round(self, s: OpenSequence) -> list[StepEvent]:
         """One round for ``s`` (see the module docstring): the pieces it emits, in order."""
         d = self.draft
         room = s.max_new_tokens - s.steps - 1  # the last piece before the limit is never drafted
@@ -95,7 +95,7 @@ class Speculator:
         s.record_round(len(drafts), accepted, max(1, min(self.options.k, accepted + 1)) if self.options.adapt else None)
         return events
 
-    def _draft(self, s: Sequence, k: int) -> tuple[list[int], dict[int, list[list[int]]], list[torch.Tensor]]:
+    def _draft(self, s: OpenSequence, k: int) -> tuple[list[int], dict[int, list[list[int]]], list[torch.Tensor]]:
         """The drafter's pieces (up to ``k``), every checked member's ids before each of them and
         after the last (``before[i]``), and the drafter's own rows there."""
         d = self.draft
@@ -121,13 +121,13 @@ class Speculator:
                 s.force(u)
         return drafts, before, own
 
-    def _fits(self, s: Sequence, nbytes: int) -> bool:
+    def _fits(self, s: OpenSequence, nbytes: int) -> bool:
         """Every member's context keeps room for a drafted piece of ``nbytes`` bytes (generously: its
         re-synced ids may be re-cut over a window); near a context's end nothing more is drafted."""
         return all(m.context_length is None or st.length + 2 * (nbytes + s.window) < m.context_length - 1
                    for m, st in zip(self.members, s.states))
 
-    def _decide(self, s: Sequence, drafts: list[int], rows: dict[int, list[torch.Tensor]]) -> tuple[list[StepEvent], int]:
+    def _decide(self, s: OpenSequence, drafts: list[int], rows: dict[int, list[torch.Tensor]]) -> tuple[list[StepEvent], int]:
         """Decide and apply position by position while the choice is the drafted piece; the events
         and how many drafted pieces were accepted."""
         topk = self.decider.combiner.k if self.decider.combiner.needs == "topk" else 0

@@ -5,7 +5,7 @@ gave it, that distribution's most likely pieces, each member's own top-k tokens 
 holds the chosen piece as one token, and how the step was decided (gated / ensembled / agreement
 skip; ``speculative`` is always false: traced sequences are decoded plainly).
 
-Zero cost when off: a sequence opened without ``trace`` has ``Sequence.trace is None`` and the
+Zero cost when off: a sequence opened without ``trace`` has ``OpenSequence.trace is None`` and the
 decider computes nothing extra for it. When on, a step additionally combines the members even
 where agreement skip decided (to report the combined probability; the choice is unchanged), and
 takes each member's top-k.
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import codecs
 import math
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,8 +274,8 @@ def member_step(space: VocabSpace, member: Member, i: int, out: Any, row: int, s
     return MemberStep(member.name, True, bool(ids), piece, top)
 
 
-def record_step(space: VocabSpace, members: Seq[Member], primary: int, options: TraceOptions, entry: int,
-                dist: Dist, dist_row: int, outs: dict[int, Any], row: int, states: Seq[SeqState], *,
+def record_step(space: VocabSpace, members: Sequence[Member], primary: int, options: TraceOptions, entry: int,
+                dist: Dist, dist_row: int, outs: dict[int, Any], row: int, states: Sequence[SeqState], *,
                 gated: bool, ensembled: bool, skipped: bool) -> StepRecord:
     """The record of one traced step: ``entry`` chosen from row ``dist_row`` of ``dist``; ``outs``:
     the outputs of the members computed for it (row ``row``); ``states``: the sequence's states."""

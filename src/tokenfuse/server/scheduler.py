@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from tokenfuse.engine import Ensemble, Prompt, Sequence
+from tokenfuse.engine import Ensemble, Prompt, OpenSequence
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.trace import PromptPiece, TraceOptions, TraceStep
 from tokenfuse.errors import MemberUnavailableError, TokenfuseError
@@ -63,7 +63,7 @@ class Job:
     # owned by the scheduler thread (``prompt_logprobs`` is set before the ``opened`` update)
     prompt_logprobs: list[PromptPiece] | None = None
     ens: Ensemble | None = None
-    seq: Sequence | None = None
+    seq: OpenSequence | None = None
     skipped: set[str] = field(default_factory=set)
     truncated: int = 0  # prompt characters / messages dropped by left-truncation
     done: bool = False

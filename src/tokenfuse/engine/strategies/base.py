@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.combiners.base import StepView
 from tokenfuse.engine.pool import MemberOutput, MemberPool
-from tokenfuse.engine.sequence import Sequence
+from tokenfuse.engine.sequence import OpenSequence
 from tokenfuse.members.base import Member
 
 
@@ -42,7 +42,7 @@ class DecisionContext(Protocol):
     pool: MemberPool
     timer: Any  # ``StageTimer``: ``timer.stage(name)`` is a context manager
 
-    def forward(self, which: list[int], seqs: list[Sequence], *, trace_k: int = 0) -> dict[int, MemberOutput]: ...
+    def forward(self, which: list[int], seqs: list[OpenSequence], *, trace_k: int = 0) -> dict[int, MemberOutput]: ...
 
 
 class Strategy:
@@ -73,14 +73,14 @@ class Strategy:
     def gate(self) -> tuple[int, float] | None:
         return None
 
-    def prepare(self, seqs: list[Sequence]) -> None:
+    def prepare(self, seqs: list[OpenSequence]) -> None:
         """Before a forward of ``seqs``."""
 
-    def factors(self, view: StepView, seqs: list[Sequence] | None) -> dict[int, torch.Tensor]:
+    def factors(self, view: StepView, seqs: list[OpenSequence] | None) -> dict[int, torch.Tensor]:
         """Per computed member, a per-row log weight factor ``float64[R]`` (none: ``{}``)."""
         return {}
 
-    def revise(self, seqs: list[Sequence], members: list[int], outs: dict[int, MemberOutput],
+    def revise(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput],
                chosen: dict[int, int]) -> set[int]:
         """Change ``chosen`` (row -> union entry) in place; the rows changed."""
         return set()

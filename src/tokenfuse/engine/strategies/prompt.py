@@ -2,7 +2,7 @@
 
 ``ℓ_i`` is member ``i``'s mean log-probability per UTF-8 byte of its own prompt, computed as the
 sequence's prefill before its first forward (``prompt_logprob_per_byte``) and kept in
-``Sequence.notes["prompt_weights"]``; ``prompt_weights`` is ``τ`` (``None``: off) and
+``OpenSequence.notes["prompt_weights"]``; ``prompt_weights`` is ``τ`` (``None``: off) and
 ``prompt_bytes`` scores only each member's ids that cover the prompt's last ``N`` bytes (the
 item-specific end of a few-shot prompt; the prefix before them is a plain prefill, which a cached
 prefix can serve). Every weighted member must run in this process.
