@@ -1,16 +1,18 @@
 """``tokenfuse bench``: every configuration in one process, interleaved, medians per token.
 
 Rows, for each backend asked for (llama.cpp and transformers by default): each member alone; each
-method asked for (``gac,unite`` by default) every step with agreement skip (the default for greedy
-decoding) and without it (``-noskip``); GaC with the members one after another instead of in
-threads; GaC recording the step trace (``gac-trace``: its cost against the ``gac`` row, which
-records nothing); speculative GaC (``gac-speculative-kK`` for each ``K`` in ``speculative``: the
-default drafter, its acceptance and how many outputs equal the ``gac`` row's); and GaC thresholded at each ``t`` with the first member as gate. The prompt set is fixed; one warm-up generation per row runs
-first. Each round runs every row on every prompt before the next round, so machine drift hits all
-rows alike. ms/token counts decode only: wall time from the first chosen piece (prompt prefill
-done) to the last, divided by the pieces after the first; stages likewise. ``ensembled_share`` is
-over all steps of the generation; ``skip_share`` is the share of ensembled steps decided by agreement
-skip.
+method asked for (``gac,unite`` by default; ``--methods gac,unite,contrast`` adds ``contrast``)
+every step with agreement skip (the default for greedy decoding) and, where that skip is exact and
+so on by default, without it (``-noskip``; not for ``deepen``, nor ``contrast`` with β > 0, which
+skip nothing by default); GaC with the members one after another instead of in threads; GaC
+recording the step trace (``gac-trace``: its cost against the ``gac`` row, which records nothing);
+speculative GaC (``gac-speculative-kK`` for each ``K`` in ``speculative``: the default drafter, its
+acceptance and how many outputs equal the ``gac`` row's); and GaC thresholded at each ``t`` with the
+first member as gate. The prompt set is fixed; one warm-up generation per row runs first. Each round
+runs every row on every prompt before the next round, so machine drift hits all rows alike. ms/token
+counts decode only: wall time from the first chosen piece (prompt prefill done) to the last, divided
+by the pieces after the first; stages likewise. ``ensembled_share`` is over all steps of the
+generation; ``skip_share`` is the share of ensembled steps decided by agreement skip.
 
 The load section: each member's warm load time, each bundled model's tokenizer built fresh from its
 GGUF and loaded from the cache (``tokenizer_times``; with ``compare_transformers`` also the
@@ -201,7 +203,8 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
 
             for method in methods:
                 add(method, method=method)
-                add(f"{method}-noskip", method=method, agreement_skip=False)
+                if rows[-1]["ens"].combiner.exact_agreement:  # else skip is off by default: the same row again
+                    add(f"{method}-noskip", method=method, agreement_skip=False)
             add("gac-sequential", method="gac", parallel=False)
             add("gac-trace", method="gac", trace=True)
             for k in speculative:

@@ -82,12 +82,12 @@ def _ensemble_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="ensemble config YAML (see examples/)")
     src.add_argument("--models", help="comma-separated members: bundled names, local dirs, .gguf files or hub ids "
                                       "(default: the three bundled models)")
-    p.add_argument("--method", help="combiner: gac (default), unite, deepen")
+    p.add_argument("--method", help="combiner: gac (default), unite, deepen, contrast")
     p.add_argument("--param", action="append", metavar="KEY=VALUE",
                    help="combiner parameter, e.g. --param k=5 for unite (repeatable)")
     p.add_argument("--primary", help="primary member (default: highest score in the config, else the first)")
     p.add_argument("--agreement-skip", dest="agreement_skip", action=argparse.BooleanOptionalAction, default=None,
-                   help="skip alignment when every member's top piece agrees (default: on for greedy gac/unite)")
+                   help="skip alignment when every member's top piece agrees (default: on for greedy gac/unite, and contrast with beta 0)")
     p.add_argument("--gate", help="gate member for thresholded GaC")
     p.add_argument("--threshold", type=float, help="ensemble only when the gate's top probability <= T")
     p.add_argument("--weights", help="comma-separated member weights (with --models)")
@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive, default=3, help="rounds over the prompt set (median reported)")
     b.add_argument("--thresholds", type=_thresholds, default="0.3,0.5,0.7", help="thresholds for the gated rows")
     b.add_argument("--methods", type=_methods, default="gac,unite",
-                   help="combiners to compare (each with and without agreement skip)")
+                   help="combiners to compare, each with agreement skip and, where it is exact, without it "
+                        "(-noskip rows); e.g. gac,unite,contrast adds the contrast row")
     b.add_argument("--speculative-k", type=_draft_ks, default="4", metavar="K[,K...]",
                    help="a gac-speculative-kK row per value: speculative GaC drafting up to K pieces per round "
                         "(acceptance and outputs identical to the gac row reported; none: no such row)")

@@ -1,6 +1,6 @@
 """Combiners, registered by name (``tokenfuse.combiners.base.REGISTRY``)."""
 
-from tokenfuse.combiners import deepen, gac, unite  # noqa: F401  (register "deepen", "gac", "unite")
+from tokenfuse.combiners import contrast, deepen, gac, unite  # noqa: F401  (register "contrast", "deepen", "gac", "unite")
 from tokenfuse.combiners.base import (REGISTRY, Combiner, Dist, Setup, StepView, combiner_class, get_combiner,
                                       register, validate_params)
 

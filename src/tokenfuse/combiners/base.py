@@ -43,11 +43,14 @@ class Dist:
 
     ``probs`` is ``float32[R, C]``. ``index`` is ``int64[R, C]``: the union entry of each column, or
     ``None`` when the columns are the union itself (``C == len(union)``). Padding columns have
-    probability 0.
+    probability 0. ``terms``: named per-column numbers ``[R, C]`` the combiner computed the
+    probabilities from (NaN where a column has none), which a traced step reports for the chosen
+    piece (contrast: the expert's and the amateurs' log-probabilities and the score).
     """
 
     probs: torch.Tensor
     index: torch.Tensor | None = None
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def entry(self, row: int, col: int) -> int:
         return col if self.index is None else int(self.index[row, col])
@@ -134,6 +137,7 @@ class Combiner(ABC):
         exact_agreement: with greedy decoding, when every computed member's most likely union
             entry is the same, the combined distribution's argmax is that entry, so the engine may
             skip alignment and combination for the step (agreement skip) without changing output.
+            A combiner may set it per instance from its parameters (``contrast``: only for β = 0).
         adaptive: it takes the step decision's adaptive parameters (``tokenfuse.engine.strategies``)
             besides its own: its average takes per-row weights (``weights``).
     """

@@ -41,6 +41,9 @@ Shapes (``TraceStep.to_dict()``, the JSON of ``tokenfuse generate --trace`` and 
   when it holds no such token (``holds_piece`` false). Member top-k entries carry the token ``id``;
   ``bytes`` is empty for tokens that are not text (END and other special tokens), whose ``text``
   is the token's own string (e.g. ``<|im_end|>``).
+- ``terms`` (present only where the combiner reports them, ``Dist.terms``): the numbers the chosen
+  piece's probability was computed from, by name. ``contrast``: ``{"score": 1.2, "expert:B": -0.9,
+  "amateur:A": -4.1, "amateur:C": -3.3}`` (natural logs; ``combiners/contrast.py``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class StepRecord:
     skipped: bool
     members: tuple[MemberStep, ...] = ()
     speculative: bool = False
+    terms: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class TraceStep:
     members: tuple[MemberStep, ...] = ()
     cut: bool = False
     speculative: bool = False
+    terms: dict[str, float] | None = None
 
     @property
     def logprob(self) -> float:
@@ -161,7 +166,7 @@ class TraceStep:
         return {"step": self.step, "text": self.text, "bytes": self.bytes, "token": self.token, "end": self.end,
                 "cut": self.cut, "prob": self.prob, "top": [t.to_dict() for t in self.top], "gated": self.gated,
                 "ensembled": self.ensembled, "skipped": self.skipped, "speculative": self.speculative,
-                "members": [m.to_dict() for m in self.members]}
+                "members": [m.to_dict() for m in self.members], **({"terms": self.terms} if self.terms else {})}
 
 
 # ---------------------------------------------------------------------------- one sequence's trace
@@ -198,7 +203,7 @@ class Trace:
             done.append(TraceStep(step=len(self.steps) + len(done), text=text, bytes=out[start:end].hex(),
                                   token=rec.token, end=rec.end, prob=rec.prob, top=rec.top, gated=rec.gated,
                                   ensembled=rec.ensembled, skipped=rec.skipped, members=rec.members, cut=cut,
-                                  speculative=rec.speculative))
+                                  speculative=rec.speculative, terms=rec.terms))
         del self._pending[:take]
         self.steps.extend(done)
         return done
@@ -246,12 +251,27 @@ def combined_top(space: VocabSpace, dist: Dist, row: int, k: int, end: str) -> t
     return tuple(out)
 
 
+def entry_column(dist: Dist, row: int, entry: int) -> int | None:
+    """The column of ``entry`` in row ``row`` (``None`` when it is not among the columns)."""
+    if dist.index is None:
+        return entry
+    cols = (dist.index[row] == entry).nonzero()
+    return int(cols[0]) if len(cols) else None
+
+
 def entry_prob(dist: Dist, row: int, entry: int) -> float:
     """The combined probability of ``entry`` in row ``row`` (0 when it is not among the columns)."""
-    if dist.index is None:
-        return float(dist.probs[row, entry])
-    cols = (dist.index[row] == entry).nonzero()
-    return float(dist.probs[row, int(cols[0])]) if len(cols) else 0.0
+    col = entry_column(dist, row, entry)
+    return float(dist.probs[row, col]) if col is not None else 0.0
+
+
+def entry_terms(dist: Dist, row: int, entry: int) -> dict[str, float] | None:
+    """The combiner's terms (``Dist.terms``) of ``entry`` in row ``row``; ``None`` without any."""
+    col = entry_column(dist, row, entry)
+    if not dist.terms or col is None:
+        return None
+    terms = {k: float(v[row, col]) for k, v in dist.terms.items()}
+    return terms if all(math.isfinite(x) for x in terms.values()) else None
 
 
 def member_step(space: VocabSpace, member: Member, i: int, out: Any, row: int, state: SeqState, entry: int,
@@ -286,4 +306,4 @@ def record_step(space: VocabSpace, members: Sequence[Member], primary: int, opti
                             for i, m in enumerate(members))
     return StepRecord(token=entry_text(space, entry, end), end=entry == END, prob=entry_prob(dist, dist_row, entry),
                       top=combined_top(space, dist, dist_row, options.k, end), gated=gated, ensembled=ensembled,
-                      skipped=skipped, members=rec_members)
+                      skipped=skipped, members=rec_members, terms=entry_terms(dist, dist_row, entry))
