@@ -179,12 +179,18 @@ def test_markdown_table_shape():
     results = summarise(cfg, EvalSettings(tasks=["piqa", "gsm8k"]), recs, {"piqa": "likelihood", "gsm8k": "generate"})
     assert results["best_member"] == "single:a-model"  # both average 37.5: the first listed
     table = markdown_table(results).splitlines()
-    assert table[0] == "| method | piqa (4) | gsm8k (4) | Avg. | Δ best | ms/token | ens. % | items/min |"
+    assert table[0] == ("| method | piqa (4) | gsm8k (4) | Avg. | Δ best | ms/token (share) | ens. % | "
+                        "items/min (share) |")
     assert table[2] == "| single:a-model | 50.0 | 25.0 | 37.5 | +0.0 | 100 | 0 | 60.0 |"
     assert table[3] == "| single:b-model | 25.0 | 50.0 | 37.5 | +0.0 | 100 | 0 | 40.0 |"
     assert table[4] == "| gac | 75.0 | 25.0 | 50.0 | +12.5 | 200 | 50 | 24.0 |"
     assert table[5] == "| vote | 25.0 | 25.0 | 25.0 | -12.5 | — | — | — |"
-    assert table[7].startswith("`items/min`: a row's items over the time it computed itself. In the likelihood form")
+    assert table[7].startswith("`ms/token (share)`, `items/min (share)`: from a row's share of the time")
+    # The tasks' wall time: the rows' batches one after another (piqa 4 + 8 + 12 s, gsm8k 4 + 4 + 8 s).
+    wall = table[table.index("| task | items | rows timed | wall (s) | items/min (wall) |"):]
+    assert wall[2:5] == ["| piqa | 4 | 3 | 24 | 10.0 |", "| gsm8k | 4 | 3 | 16 | 15.0 |",
+                         "| all tasks | 8 | — | 40 | 12.0 |"]
+    assert results["task_wall"]["piqa"] == {"seconds": 24.0, "items": 4, "rows": 3, "items_per_min": 10.0}
     head = "| method | piqa | gsm8k | Avg. vs single:a-model | Avg. vs per-task best |"
     gain = table[table.index(head):]
     # per task against that task's best member (piqa: a, gsm8k: b); the average against a (the best
@@ -208,7 +214,88 @@ def test_markdown_table_shape():
     recs["piqa"]["single:a-model"] = [_rec(i, 0, correct_raw=0, seconds=1.0, steps=4) for i in range(4)]
     table = markdown_table(summarise(cfg, EvalSettings(tasks=["piqa", "gsm8k"]), recs,
                                      {"piqa": "likelihood", "gsm8k": "generate"}))
-    assert "| gac | +100.0 [+100.0, +100.0]† | **-25.0** [-75.0, +0.0] |" in table
+    assert "| gac | +100.0 [+100.0, +100.0]† | **-25.0** [-75.0, +0.0] |" in table  # 4 items: p = 1/8, no ‡
+
+
+def test_sign_flip_p_is_the_exact_paired_test():
+    from tokenfuse.eval.stats import sign_flip_p
+
+    assert sign_flip_p([1, 0, 1], [1, 0, 1]) == 1.0  # identical rows
+    assert sign_flip_p([], []) == 1.0
+    assert sign_flip_p([1, 0], [0, 1]) == 1.0  # one win, one loss
+    assert sign_flip_p([1, 1, 1, 1], [0, 0, 0, 0]) == 2 / 16  # all 16 sign flips: two reach |4|
+    # 5 wins, 1 loss: flips with |sum| >= 4 are those with at most 1 of the 6 on either side: 2 (1 + 6) / 64
+    assert sign_flip_p([1] * 5 + [0] + [1] * 10, [0] * 5 + [1] + [1] * 10) == 14 / 64  # shared items do not count
+    clear = sign_flip_p([1] * 20 + [0] * 2 + [1] * 50 + [0] * 28, [0] * 20 + [1] * 2 + [1] * 50 + [0] * 28)
+    assert clear < 0.01 and clear == 2 * (1 + 22 + 231) / 2 ** 22  # 20 wins, 2 losses
+    assert sign_flip_p([1, 0, 1], [0, 1, 1]) == sign_flip_p([0, 1, 1], [1, 0, 1])  # two-sided
+    with pytest.raises(ValueError):
+        sign_flip_p([1, 0], [1])
+    with pytest.raises(ValueError):
+        sign_flip_p([0.5, 1], [1, 0])
+
+
+def test_sign_flip_p_matches_scipy_binomtest():
+    stats = pytest.importorskip("scipy.stats")
+    from tokenfuse.eval.stats import sign_flip_p
+
+    for wins, losses in [(0, 3), (7, 2), (30, 41), (120, 80), (3, 3)]:
+        got = sign_flip_p([1] * wins + [0] * losses, [0] * wins + [1] * losses)
+        assert got == pytest.approx(stats.binomtest(wins, wins + losses, 0.5).pvalue, rel=1e-9)
+
+
+def test_holm_on_a_hand_computed_example():
+    from tokenfuse.eval.stats import holm
+
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1: 0.02, 0.03, 0.06, 0.04 -> running max 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == [1.0, 1.0]  # capped at 1
+    assert holm([0.02]) == [0.02] and holm([]) == []
+
+
+def _holm_records():
+    """24 items per task; piqa: gac right on 12 items more than the best member (a), unite on 6 more;
+    gsm8k: gac the best member (b) itself, unite one item more."""
+    def rows(k: int, n: int = 24) -> list[dict]:
+        return [_rec(i, i < k, correct_raw=i < k, seconds=1.0, steps=4) for i in range(n)]
+
+    return {"piqa": {"single:a-model": rows(10), "single:b-model": rows(5), "gac": rows(22), "unite": rows(16)},
+            "gsm8k": {"single:a-model": rows(6), "single:b-model": rows(8), "gac": rows(8), "unite": rows(9)}}
+
+
+def test_gain_table_marks_significance_after_holm():
+    cfg = config_from_models("a-model,b-model")
+    results = summarise(cfg, EvalSettings(tasks=["piqa", "gsm8k"]), _holm_records(),
+                        {"piqa": "likelihood", "gsm8k": "likelihood"})
+    v = {(t, m): results["tasks"][t][m]["vs_best"] for t in ("piqa", "gsm8k") for m in ("gac", "unite")}
+    assert results["holm"] == {"family": 4, "alpha": 0.05, "test": "exact paired sign-flip"}
+    assert [v[k]["p"] for k in v] == pytest.approx([2 / 2 ** 12, 2 / 2 ** 6, 1.0, 1.0])
+    # Holm: 4 * 2/4096, then 3 * 2/64 = 0.094 (raw p 0.031 < 0.05, not after the correction), then 1, 1
+    assert [v[k]["p_holm"] for k in v] == pytest.approx([8 / 4096, 6 / 64, 1.0, 1.0])
+    assert all(x["family"] == 4 for x in v.values())
+    assert "p" not in results["overview"]["gac"]["vs_best"]  # the averages are outside the family
+    table = markdown_table(results)
+    gain = table[table.index("| method | piqa | gsm8k | Avg. vs"):].splitlines()
+    assert gain[2].startswith("| gac | +50.0 [+29.2, +70.8]†‡ | +0.0 [+0.0, +0.0] | ")
+    assert gain[3].startswith("| unite | +25.0 [+8.3, +41.7]† | +4.2 [+0.0, +12.5] | ")  # † without ‡
+    assert table.count("‡") == 1 + 2  # the one cell, and the caption and legend lines
+    assert "‡: Holm-adjusted p < 0.05 over the family of the table's 4 per-task comparisons" in table
+
+
+def test_results_without_p_values_render_without_holm():
+    cfg = config_from_models("a-model,b-model")
+    results = summarise(cfg, EvalSettings(tasks=["piqa", "gsm8k"]), _holm_records(),
+                        {"piqa": "likelihood", "gsm8k": "likelihood"})
+    old = json.loads(json.dumps(results))  # as an older run wrote it: no p-values, no task_wall
+    del old["holm"], old["task_wall"]
+    for per in old["tasks"].values():
+        for c in per.values():
+            for key in ("p", "p_holm", "family"):
+                c.get("vs_best", {}).pop(key, None)
+    table = markdown_table(old)
+    assert "Holm: not computed for this run (its results.json has no p-values); † alone." in table
+    assert "†‡" not in table and "| gac | +50.0 [+29.2, +70.8]† |" in table
+    assert "| piqa | 24 | 4 | 96 | 15.0 |" in table  # the wall time from the rows' seconds all the same
 
 
 # ---------------------------------------------------------------------------------------- a run

@@ -1,19 +1,30 @@
 """Aggregate per-item records into ``results.json``, a GaC-Tab.-3-shaped markdown table and a figure.
 
 Table shape (GaC Tab. 3: one row per model or ensemble, one column per benchmark, then the
-average and the latency): ``method | task … | Avg. | Δ best | ms/token | ens. % | items/min``.
+average and the cost): ``method | task … | Avg. | Δ best | ms/token (share) | ens. % | items/min (share)``.
 
 * task cells: accuracy in percent on the task's items (likelihood form: per-byte normalised);
 * ``Avg.``: the unweighted mean over the tasks;
 * ``Δ best``: ``Avg.`` minus the best single member's ``Avg.`` (the member with the highest
-  average; per task in the second table);
-* ``ms/token``: generate-form wall time divided by generated pieces; ``ens. %``: share of
-  generated and scored (likelihood form) pieces where more than one member was computed; ``items/min``: all items of the row
-  divided by their wall time. Output-level rows (vote, MBR, seq-avg) cost no model time of their
-  own: ``—``.
+  average; per task in the gain table);
+* ``ens. %``: share of generated and scored (likelihood form) pieces where more than one member was
+  computed;
+* ``ms/token (share)``: the row's generate-form time divided by its generated pieces;
+  ``items/min (share)``: the row's items divided by its time. A row's time is the wall time of the
+  batches it computed itself, and the rows of a task share work (likelihood form: the members'
+  forwards, counted for the row that computed them; generate form: the members' prompt caches,
+  the first row to feed a prompt paying for it), so both are the row's *share* of the time, not
+  its cost alone. Output-level rows (vote, MBR, seq-avg) take no model time of their own: ``—``.
 
-A second table gives each cell's bootstrap 95 % interval; the last the gain of every other row
-over the best member with its **paired** bootstrap 95 % interval (``vs_best`` in ``results.json``):
+The next table gives each task's wall time (``task_wall`` in ``results.json``): the sum of its
+rows' times on the test items (the rows run one after another, batch by batch, so this is the
+wall time of the task's batches; loading the members, building the rows and ``auto``'s dev items
+are not counted; the ``auto`` row not again where it repeats a row of the table), and
+``items/min (wall)`` = the task's items over it: what running the whole table on the task cost.
+
+Then each cell's bootstrap 95 % interval, the unnormalised likelihood accuracies, and last the gain
+of every other row over the best member with its **paired** bootstrap 95 % interval (``vs_best``
+in ``results.json``):
 
 * per task, against the single member with the highest accuracy *on that task's items* (ties: the
   first in member order). Choosing it on the test items themselves favours the member (the
@@ -26,7 +37,13 @@ over the best member with its **paired** bootstrap 95 % interval (``vs_best`` in
 Paired: a resample draws the same items for the row and the member (``stats.paired_bootstrap``;
 the average draws each task's items separately, ``stats.paired_bootstrap_mean``), so what the two
 get right or wrong together cancels. The interval does not include the uncertainty of *which*
-member is best.
+member is best. Markers: ``†`` the interval excludes 0 (no correction for the table's many cells);
+``‡`` significant after Holm's correction: every per-task comparison (each row that is not a
+member × each task) has a two-sided ``p`` from the exact paired sign-flip test
+(``stats.sign_flip_p``), and over that family (``holm.family`` comparisons) Holm's step-down
+adjustment gives ``p_holm`` (``stats.holm``); ``‡`` where ``p_holm < HOLM_ALPHA`` (0.05). The two
+average columns are outside the family and keep ``†`` alone. A ``results.json`` written before the
+p-values has no ``p``: no ``‡``, and the legend says Holm was not computed for that run.
 """
 
 from __future__ import annotations
@@ -36,7 +53,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenfuse.eval.stats import bootstrap_ci, paired_bootstrap, paired_bootstrap_mean
+from tokenfuse.eval.stats import bootstrap_ci, holm, paired_bootstrap, paired_bootstrap_mean, sign_flip_p
+
+HOLM_ALPHA = 0.05
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -111,8 +130,12 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
     for t, b in task_best.items():
         for m, recs in all_records[t].items():
             if not m.startswith("single:"):
-                d, lo, hi = paired_bootstrap(*paired_correct(recs, all_records[t][b]))
+                pair = paired_correct(recs, all_records[t][b])
+                d, lo, hi = paired_bootstrap(*pair)
                 tasks[t][m]["vs_best"] = {"member": b, "gain": d, "ci": [lo, hi]}
+                if d == d:
+                    tasks[t][m]["vs_best"]["p"] = sign_flip_p(*pair)
+    family = holm_family(tasks)
     for m in methods:
         covered = [t for t in all_records if m in all_records[t]]
         if m.startswith("single:") or len(covered) != len(all_records) or len(task_best) != len(all_records):
@@ -129,7 +152,34 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
                          "limits": dict(settings.limits), "seed": settings.seed, "mc": settings.mc,
                          "batch_size": settings.batch_size, "max_new_tokens": dict(settings.max_new_tokens)},
             "forms": forms, "tasks": tasks, "overview": overview, "best_member": best,
-            "gain_per_task": per_task_gain, "wall_seconds": wall_seconds}
+            "gain_per_task": per_task_gain, "wall_seconds": wall_seconds,
+            "holm": {"family": family, "alpha": HOLM_ALPHA, "test": "exact paired sign-flip"},
+            "task_wall": task_wall(tasks, {t: {"chosen": per["auto"][0].get("chosen")}
+                                           for t, per in all_records.items() if per.get("auto")})}
+
+
+def holm_family(tasks: dict) -> int:
+    """Holm's correction over every per-task comparison with the best member that has a ``p``
+    (``tasks.<task>.<method>.vs_best``): adds ``p_holm`` and ``family`` (its size) to each; returns
+    the size. The comparisons of the average are not in the family."""
+    cells = [c["vs_best"] for per in tasks.values() for c in per.values() if "p" in c.get("vs_best", {})]
+    for v, adjusted in zip(cells, holm([v["p"] for v in cells])):
+        v["p_holm"], v["family"] = adjusted, len(cells)
+    return len(cells)
+
+
+def task_wall(tasks: dict, auto: dict | None) -> dict:
+    """Per task the wall time of its test items: the sum of the rows' ``seconds`` (their batches run
+    one after another; output-level rows take none), the ``auto`` row left out where it repeats the
+    records of a row of the table (``auto``'s ``chosen``), and its items and ``items_per_min``."""
+    out = {}
+    for t, per in tasks.items():
+        chosen = ((auto or {}).get(t) or {}).get("chosen")
+        rows = [m for m, c in per.items() if c.get("seconds") and not (m == "auto" and chosen in per)]
+        secs = sum(per[m]["seconds"] for m in rows)
+        n = max((c["n"] for c in per.values()), default=0)
+        out[t] = {"seconds": secs, "items": n, "rows": len(rows), "items_per_min": n / secs * 60 if secs else None}
+    return out
 
 
 def paired_correct(records: Sequence[dict], other: Sequence[dict]) -> tuple[list[float], list[float]]:
@@ -148,20 +198,30 @@ def _signed(x: float | None) -> str:
 
 
 def _gain_cell(v: dict | None) -> str:
-    """``+2.0 [-1.0, +5.0]``: a gain and its interval; a loss in bold, † when the interval excludes 0."""
+    """``+2.0 [-1.0, +5.0]``: a gain and its interval; a loss in bold, † when the interval excludes 0,
+    ‡ when its Holm-adjusted p-value is below ``HOLM_ALPHA`` (none stored: no ‡)."""
     if v is None or v["gain"] != v["gain"]:
         return "—"
     g, (lo, hi) = v["gain"], v["ci"]
     head = f"**{_signed(g)}**" if g < -1e-12 else _signed(g)
-    return f"{head} [{_signed(lo)}, {_signed(hi)}]" + ("†" if lo > 0 or hi < 0 else "")
+    holm_mark = "‡" if v.get("p_holm") is not None and v["p_holm"] < HOLM_ALPHA else ""
+    return f"{head} [{_signed(lo)}, {_signed(hi)}]" + ("†" if lo > 0 or hi < 0 else "") + holm_mark
 
 
 def markdown_table(results: dict) -> str:
-    """The three markdown tables (see the module docstring)."""
-    tasks, ov = list(results["tasks"]), results["overview"]
+    """The markdown tables (see the module docstring)."""
+    tasks = list(results["tasks"])
+    forms = ", ".join(f"{t}: {f}" for t, f in results["forms"].items())
+    return "\n".join(_main_lines(results, tasks) + _wall_lines(results) + _ci_lines(results, tasks)
+                     + _raw_lines(results, tasks) + _gain_lines(results, tasks) + auto_lines(results)
+                     + ["", f"Forms: {forms}."]) + "\n"
+
+
+def _main_lines(results: dict, tasks: list[str]) -> list[str]:
+    ov = results["overview"]
     methods = list(ov)
     head = ["method"] + [f"{t} ({results['tasks'][t][methods[0]]['n'] if methods[0] in results['tasks'][t] else '?'})"
-                         for t in tasks] + ["Avg.", "Δ best", "ms/token", "ens. %", "items/min"]
+                         for t in tasks] + ["Avg.", "Δ best", "ms/token (share)", "ens. %", "items/min (share)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in methods:
         o = ov[m]
@@ -170,40 +230,76 @@ def markdown_table(results: dict) -> str:
         ipm = "—" if o["items_per_min"] is None else f"{o['items_per_min']:.1f}"
         lines.append("| " + " | ".join([m] + cells + [_pct(o["avg"]), _signed(o["gain_over_best"]), ms,
                                                         _pct(o["ensembled_share"], 0), ipm]) + " |")
-    if any(results["forms"][t] == "likelihood" for t in tasks):
-        lines += ["", "`items/min`: a row's items over the time it computed itself. In the likelihood form the rows "
-                      "share the members' forwards within a batch (docs/evaluation.md, `RowMemo`): a forward counts for the row "
-                      "that computed it, not for the rows that took its result, so a row's figure is not its cost alone."]
+    if any(o["items_per_min"] is not None or o["ms_per_token"] is not None for o in ov.values()):
+        lines += ["", "`ms/token (share)`, `items/min (share)`: from a row's share of the time, not its cost alone: "
+                      "a row's time is that of the batches it computed itself, and the rows share work (the likelihood "
+                      "form: the members' forwards within a batch, docs/evaluation.md `RowMemo`, a forward counting "
+                      "for the row that computed it, not for the rows that took its result; the generate form: the "
+                      "members' prompt caches, the first row to feed a member a prompt paying for it). What the "
+                      "table cost is the tasks' wall time below."]
+    return lines
+
+
+def _wall_lines(results: dict) -> list[str]:
+    wall = results.get("task_wall") or task_wall(results["tasks"], results.get("auto"))
+    if not any(w["seconds"] for w in wall.values()):
+        return []
+    out = ["", "Wall time per task: every row's batches on the task's test items, run one after another (the sum "
+           "of the rows' `seconds`; loading the members, building the rows and `auto`'s dev items not counted), "
+           "and the task's items per minute of it:", "",
+           "| task | items | rows timed | wall (s) | items/min (wall) |", "|---|---|---|---|---|"]
+    for t, w in wall.items():
+        ipm = "—" if not w["seconds"] else f"{w['items'] / w['seconds'] * 60:.1f}"
+        out.append(f"| {t} | {w['items']} | {w['rows']} | {w['seconds']:.0f} | {ipm} |")
+    if len(wall) > 1:
+        items, secs = sum(w["items"] for w in wall.values()), sum(w["seconds"] for w in wall.values())
+        out.append(f"| all tasks | {items} | — | {secs:.0f} | {items / secs * 60:.1f} |")
+    return out
+
+
+def _ci_lines(results: dict, tasks: list[str]) -> list[str]:
     ci = ["", "Bootstrap 95 % intervals (1,000 resamples, seed 0):", "",
           "| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
-    for m in methods:
+    for m in results["overview"]:
         cells = []
         for t in tasks:
             c = results["tasks"][t].get(m)
             cells.append("—" if c is None else f"{_pct(c['ci'][0])}–{_pct(c['ci'][1])}")
         ci.append(f"| {m} | " + " | ".join(cells) + " |")
+    return ci
+
+
+def _raw_lines(results: dict, tasks: list[str]) -> list[str]:
     raw = [t for t in tasks if results["forms"][t] == "likelihood"]
-    extra = []
-    if raw:
-        extra = ["", "Likelihood form, unnormalised (sum of log-probabilities, `acc_raw`):", "",
-                 "| method | " + " | ".join(raw) + " |", "|" + "---|" * (len(raw) + 1)]
-        for m in methods:
-            cells = [_pct(results["tasks"][t][m].get("acc_raw")) if m in results["tasks"][t] else "—" for t in raw]
-            extra.append(f"| {m} | " + " | ".join(cells) + " |")
-    best = results.get("best_member")
+    if not raw:
+        return []
+    extra = ["", "Likelihood form, unnormalised (sum of log-probabilities, `acc_raw`):", "",
+             "| method | " + " | ".join(raw) + " |", "|" + "---|" * (len(raw) + 1)]
+    for m in results["overview"]:
+        cells = [_pct(results["tasks"][t][m].get("acc_raw")) if m in results["tasks"][t] else "—" for t in raw]
+        extra.append(f"| {m} | " + " | ".join(cells) + " |")
+    return extra
+
+
+def _gain_lines(results: dict, tasks: list[str]) -> list[str]:
+    ov, best, h = results["overview"], results.get("best_member"), results.get("holm")
     gain = ["", "Gain over the best single member (points) with its paired bootstrap 95 % interval (1,000 "
             "resamples of the items, seed 0); per task the best member on that task's items; **bold** = the "
-            "method loses, † = the interval excludes 0:", "",
+            "method loses, † = the interval excludes 0, ‡ = significant after Holm's correction (below):", "",
             "| method | " + " | ".join(tasks) + f" | Avg. vs {best or 'best member'} | Avg. vs per-task best |",
             "|" + "---|" * (len(tasks) + 3)]
-    for m in methods:
+    for m in ov:
         if m.startswith("single:"):
             continue
         cells = [_gain_cell(results["tasks"][t].get(m, {}).get("vs_best")) for t in tasks]
         cells += [_gain_cell(ov[m].get("vs_best")), _gain_cell(ov[m].get("vs_task_best"))]
         gain.append(f"| {m} | " + " | ".join(cells) + " |")
-    forms = ", ".join(f"{t}: {f}" for t, f in results["forms"].items())
-    return "\n".join(lines + ci + extra + gain + auto_lines(results) + ["", f"Forms: {forms}."]) + "\n"
+    if h is None:
+        return gain + ["", "Holm: not computed for this run (its results.json has no p-values); † alone."]
+    return gain + ["", f"‡: Holm-adjusted p < {h['alpha']:g} over the family of the table's {h['family']} per-task "
+                       "comparisons (every row that is not a member × every task), p from the exact paired sign-flip "
+                       "test (`p`, `p_holm` in results.json); the two average columns are outside the family and "
+                       "keep † alone."]
 
 
 def auto_lines(results: dict) -> list[str]:

@@ -23,10 +23,11 @@ Forms:
 
 Timing: ``seconds`` of an item is its batch's wall time divided by the batch size (in the
 likelihood form a row's own time: forwards it took from the memo count for the row that computed
-them, so the task's wall time, not the sum of the rows, is the table's cost; in the generate form
-a prompt prefix an earlier row left in a member's cache is not fed again, so the first row to use a
-member pays for its prompts); ms/token is the generate-form time divided by the generated pieces
-(prompt encoding included), items/min the items divided by their time.
+them; in the generate form a prompt prefix an earlier row left in a member's cache is not fed
+again, so the first row to use a member pays for its prompts); ms/token is the generate-form time
+divided by the generated pieces (prompt encoding included), items/min the items divided by their
+time: a row's share, not its cost alone. The rows of a batch run one after another, so the sum of
+a task's rows' ``seconds`` is the wall time of its batches (``report.task_wall``): the table's cost.
 """
 
 from __future__ import annotations
