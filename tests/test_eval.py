@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -567,12 +568,19 @@ def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path
         expected = choose(dev, ranked)
         assert res["auto"][task]["chosen"] == expected.chosen
         assert (res["auto"][task]["dev_items"], res["auto"][task]["member_dev_items"]) == (2, 3)
+        pool = res["auto"][task]["dev_pool"]  # the members asked for the form's default, the pool has 3
+        assert (pool["size"], pool["asked"], pool["member_asked"]) == (3, 2, 500 if form == "likelihood" else 200)
+        assert res["auto"][task]["dev_note"] == (f"dev items 3 of {pool['member_asked']} for the members alone: "
+                                                 f"the dev pool ({pool['source']}) has 3")
+        assert f"* {task}: {res['auto'][task]['dev_note']}." in (out / "results.md").read_text()
         chosen_file = out / "items" / f"{task}-{form}" / (expected.chosen.replace(":", "__") + ".jsonl")
         auto = read_records(out / "items" / f"{task}-{form}" / "auto.jsonl")
         assert {i: r["correct"] for i, r in auto.items()} == {i: r["correct"] for i, r in read_records(chosen_file).items()}
         assert {r["chosen"] for r in auto.values()} == {expected.chosen}
         if res["auto"][task]["config"]:  # the chosen configuration, as a config generate runs
             written = load_config(res["auto"][task]["config"])
+            head = Path(res["auto"][task]["config"]).read_text()  # the header says how many and why
+            assert f"# Fewer than asked: {res['auto'][task]['dev_note']}." in head
             want = ["s"] if expected.chosen == "single:s" else ["q"] if expected.chosen == "single:q" else ["s", "q"]
             assert [m.name for m in written.members] == want
         else:

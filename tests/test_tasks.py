@@ -93,8 +93,6 @@ def test_dev_items_never_reach_the_evaluated_items(tmp_path):
     arc = task("arc_challenge")  # ARC's dev file is its own split
     assert [it["id"] for it in arc.dev_items()] == ["ARC-dev-toy-1", "ARC-dev-toy-2", "ARC-dev-toy-3"]
     assert [it["id"] for it in arc.items] == ["ARC-toy-1", "ARC-toy-2", "ARC-toy-3"]
-    with pytest.raises(TaskDataError, match=r"arc/challenge_dev\.jsonl"):
-        _arc_without_dev(tmp_path).dev_items()
     tq = task("triviaqa", num_fewshot=1)
     shots = {s["id"] for s in tq.shots(None)}
     assert shots and not shots & {it["id"] for it in tq.dev_items()}
@@ -102,10 +100,157 @@ def test_dev_items_never_reach_the_evaluated_items(tmp_path):
     assert {it["id"] for it in tq.dev_items()} | shots == set(pool)
 
 
-def _arc_without_dev(tmp_path):
-    (tmp_path / "arc").mkdir()
-    (tmp_path / "arc" / "challenge_test.jsonl").write_text((DATA / "arc" / "challenge_test.jsonl").read_text())
-    return load_task("arc_challenge", tmp_path)
+# ---------------------------------------------------------------------------------------- dev pools
+def _write(root: Path, rel: str, rows: list[dict]) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _mc(prefix: str, n: int, **extra) -> list[dict]:
+    return [{"id": f"{prefix}-{i}", "question": f"q{i}", "choices": ["x", "y", "z"], "answer": "B", **extra}
+            for i in range(n)]
+
+
+def _qa(prefix: str, n: int) -> list[dict]:
+    return [{"id": f"{prefix}-{i}", "question": f"q{i}", "answer": f"a{i}", "aliases": [f"a{i}"]} for i in range(n)]
+
+
+def _gsm(prefix: str, n: int) -> list[dict]:
+    return [{"id": f"{prefix}-{i}", "question": f"q{i}", "answer": str(i), "solution": f"{i}\n#### {i}"}
+            for i in range(n)]
+
+
+N = 80  # items per fake test file: the hash split keeps a few of them (fixed by the ids)
+# every file a task reads, in the normalised schema; the pool files per task
+FAKE = {
+    "gsm8k/test.jsonl": _gsm("gsm8k-test", N), "gsm8k/train.jsonl": _gsm("gsm8k-train", 30),
+    "mmlu/test.jsonl": _mc("mmlu-s-test", N, subject="s") + _mc("mmlu-t-test", N, subject="t"),
+    "mmlu/dev.jsonl": _mc("mmlu-s-dev", 5, subject="s") + _mc("mmlu-t-dev", 5, subject="t"),
+    "arc/challenge_test.jsonl": _mc("arc-c-test", N), "arc/challenge_dev.jsonl": _mc("arc-c-dev", 12),
+    "arc/easy_test.jsonl": _mc("arc-e-test", N), "arc/easy_dev.jsonl": _mc("arc-e-dev", 14),
+    "piqa/validation.jsonl": _mc("piqa", N),
+    "boolq/dev.jsonl": [{"id": f"boolq-{i}", "question": f"q{i}?", "passage": "p", "answer": "yes"} for i in range(N)],
+    "triviaqa/test.jsonl": _qa("tq-test", N), "triviaqa/dev.jsonl": _qa("tq-dev", 20),
+    "nq_open/test.jsonl": _qa("nq", N),
+    "bbh/test.jsonl": [{"id": f"bbh-toy_logic-{i}", "question": f"q{i}", "answer": "True", "task": "toy_logic"}
+                       for i in range(N)],
+}
+POOL_FILES = {"gsm8k": ["gsm8k/train.jsonl"], "mmlu": ["mmlu/dev.jsonl"], "arc_challenge": ["arc/challenge_dev.jsonl"],
+              "arc_easy": ["arc/easy_dev.jsonl"], "triviaqa": ["triviaqa/dev.jsonl"]}
+
+
+def _fake_data(root: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    for rel, rows in FAKE.items():
+        if rel not in leave_out:
+            _write(root, rel, rows)
+    (root / "bbh" / "cot_prompts.jsonl").write_text((DATA / "bbh" / "cot_prompts.jsonl").read_text())
+    return root
+
+
+def _ids(items) -> list[str]:
+    return [it["id"] for it in items]
+
+
+def _test_file(name: str) -> list[dict]:
+    files = {"gsm8k": "gsm8k/test.jsonl", "mmlu": "mmlu/test.jsonl", "arc_challenge": "arc/challenge_test.jsonl",
+             "arc_easy": "arc/easy_test.jsonl", "piqa": "piqa/validation.jsonl", "boolq": "boolq/dev.jsonl",
+             "triviaqa": "triviaqa/test.jsonl", "nq_open": "nq_open/test.jsonl", "bbh": "bbh/test.jsonl"}
+    return FAKE[files[name]]
+
+
+def test_each_tasks_dev_pool_comes_from_its_source(tmp_path):
+    """GSM8K: train less the shots; ARC: its dev files; TriviaQA: its dev file less the shots; MMLU:
+    its dev file plus the hash split of the test file; the others: the hash split. Dev and test
+    items are disjoint, and the test items are the test file less the hash split wherever they were
+    before (GSM8K keeps its share out), so committed results stay valid."""
+    from tokenfuse.tasks.base import is_dev
+
+    root = _fake_data(tmp_path)
+    for name in TASKS:
+        t = load_task(name, root)
+        test_file = _test_file(name)
+        share = [r for r in test_file if is_dev(r)]
+        assert share, name  # the fake ids give each test file a hash-split share
+        shots = {s["id"] for s in t.shots(t.items[0])}
+        pool = [r for f in POOL_FILES.get(name, []) for r in FAKE[f]]
+        if name in ("gsm8k", "triviaqa"):  # every item's shots come from the pool and leave it
+            assert len(shots) == 5 and shots <= set(_ids(pool))
+            expected = [r["id"] for r in pool if r["id"] not in shots]
+        elif name == "mmlu":
+            expected = _ids(pool) + _ids(share)
+        elif name in ("arc_challenge", "arc_easy"):
+            expected = _ids(pool)
+        else:
+            expected = [r["id"] for r in share if r["id"] not in shots]  # NQ-open's shots leave the items first
+        assert _ids(t.dev_items()) == expected, name
+        held = share if name not in ("arc_challenge", "arc_easy", "triviaqa") else []
+        assert _ids(t.items) == [r["id"] for r in test_file if r not in held and r["id"] not in shots], name
+        assert not set(_ids(t.items)) & set(_ids(t.dev_items())), name
+        assert t.dev_source.startswith(" + ".join(POOL_FILES.get(name, [])) or "the hash split"), name
+    assert load_task("gsm8k", root).dev_source == "gsm8k/train.jsonl (less the 5 shots taken from it)"
+    assert load_task("mmlu", root).dev_source == "mmlu/dev.jsonl + the hash split of the test file"
+
+
+def test_a_dev_item_is_never_its_own_exemplar(tmp_path):
+    """MMLU's dev-file items are its shots: such an item gets its subject's other dev items (4 of 5);
+    every other item, test or dev, keeps the subject's first five."""
+    root = _fake_data(tmp_path)
+    for name in TASKS:
+        for shots_n in (None, 2):
+            t = load_task(name, root, num_fewshot=shots_n)
+            for it in t.dev_items():
+                assert it["id"] not in {s["id"] for s in t.shots(it)}, (name, it["id"])
+    mmlu = load_task("mmlu", root)
+    dev_file_item = next(it for it in mmlu.dev_items() if it["id"] == "mmlu-s-dev-1")
+    assert _ids(mmlu.shots(dev_file_item)) == ["mmlu-s-dev-0", "mmlu-s-dev-2", "mmlu-s-dev-3", "mmlu-s-dev-4"]
+    assert mmlu.prompt(dev_file_item).count("Q: q1\n") == 1  # the item itself, last
+    assert mmlu.cloze(dev_file_item).context.count("Question: q1\n") == 1  # the cloze form alike
+    hash_dev = next(it for it in mmlu.dev_items() if "-test-" in it["id"] and it["subject"] == "s")
+    assert _ids(mmlu.shots(hash_dev)) == [f"mmlu-s-dev-{i}" for i in range(5)] == _ids(mmlu.shots(mmlu.items[0]))
+
+
+def test_dev_subsets_are_seeded(tmp_path):
+    root = _fake_data(tmp_path)
+    for name in TASKS:
+        t, again = load_task(name, root), load_task(name, root)
+        assert _ids(t.dev_subset(4, seed=7)) == _ids(again.dev_subset(4, seed=7))  # same seed, same items
+        assert set(_ids(t.dev_subset(3, seed=7))) <= set(_ids(t.dev_subset(4, seed=7)))
+    gsm = load_task("gsm8k", root)
+    assert _ids(gsm.dev_subset(10, seed=1)) != _ids(gsm.dev_subset(10, seed=2))
+
+
+def test_auto_dev_counts_depend_on_the_form_and_flags_win():
+    """``auto`` asks for 500 dev items in the likelihood form and 200 in the generate form, for every
+    row and for the members alone; an explicit --dev-limit / --member-dev-limit wins, the members
+    never getting fewer than the rest; a smaller pool gives all it has, and the note says why."""
+    from tokenfuse.eval.auto import DEV_LIMITS, MEMBER_DEV_LIMITS, dev_counts, dev_note
+
+    assert DEV_LIMITS == MEMBER_DEV_LIMITS == {"likelihood": 500, "generate": 200}
+    assert dev_counts("likelihood") == (500, 500) and dev_counts("generate") == (200, 200)
+    assert dev_counts("generate", 50) == (50, 200) and dev_counts("generate", 300) == (300, 300)
+    assert dev_counts("likelihood", None, 800) == (500, 800) and dev_counts("likelihood", 600, 100) == (600, 600)
+    assert dev_note(500, 500, used=500, member_used=500, pool=1707, source="mmlu/dev.jsonl") is None
+    assert dev_note(500, 500, used=299, member_used=299, pool=299, source="arc/challenge_dev.jsonl") == (
+        "dev items 299 of 500 for every row and candidate, 299 of 500 for the members alone: "
+        "the dev pool (arc/challenge_dev.jsonl) has 299")
+    assert dev_note(50, 500, used=50, member_used=215, pool=215, source="the hash split of the test file") == (
+        "dev items 215 of 500 for the members alone: the dev pool (the hash split of the test file) has 215")
+
+
+@pytest.mark.parametrize("name", sorted(POOL_FILES))
+def test_a_missing_dev_file_falls_back_to_the_hash_split(tmp_path, capsys, name):
+    """Older data without a task's dev file: the hash split of its test file, said in one line."""
+    from tokenfuse.tasks.base import is_dev
+
+    (rel,) = POOL_FILES[name]
+    root = _fake_data(tmp_path, leave_out=(rel,))
+    t = load_task(name, root, num_fewshot=0)  # GSM8K's and MMLU's shots need the file
+    err = capsys.readouterr().err
+    assert f"{name}: {rel} not found under {root}" in err and "hash split" in err and "Traceback" not in err
+    share = [r["id"] for r in _test_file(name) if is_dev(r)]
+    assert _ids(t.dev_items()) == share and not set(share) & set(_ids(t.items))
+    assert t.dev_source == f"the hash split of the test file (no {rel})"
+    assert not capsys.readouterr().err  # said once, at load
 
 
 def test_subset_is_seeded_nested_and_in_file_order():

@@ -1,12 +1,13 @@
 """``tokenfuse eval``'s ``auto`` row: per task, a configuration chosen on dev items only.
 
-For each task the runner first runs, on the task's dev items (``Task.dev_items``: its own dev split,
-or the hash split the test items never touch), every row of the table and the candidates below; then
-``choose`` picks one by its dev accuracy alone; the ``auto`` row on the test items is that
-configuration's records there. Nothing about the test items enters the choice.
+For each task the runner first runs, on the task's dev items (``Task.dev_items``: its dev pool, the
+benchmark's own dev or train file and/or the hash split the test items never touch), every row of
+the table and the candidates below; then ``choose`` picks one by its dev accuracy alone; the
+``auto`` row on the test items is that configuration's records there. Nothing about the test items
+enters the choice.
 
-Candidates (``candidates``), besides the table's own rows (each member alone, the asked ensemble
-rows, vote / MBR / sequence average):
+Candidates (``candidates``), besides the table's own rows (each member alone, every ensemble row
+asked in ``--methods``, whatever its method, vote / MBR / sequence average):
 
 * ``auto:gated@T`` — GaC gated by the best member on dev (the one far ahead, if any) at each threshold
   ``T`` of ``THRESHOLDS``: the gate's piece where it is confident, the ensemble elsewhere; the best
@@ -24,13 +25,16 @@ Choice (``choose``): the best member on dev (ties: member order) unless the best
 resamples, seed 0) wholly above 0 — so ``auto`` ends with one member alone unless an ensemble is
 measurably better on dev.
 
-Dev counts: every row and candidate runs on ``DEV_LIMITS[form]`` dev items (``--dev-limit``); the
-members alone, which decide the best member (and so the gate, the primary and the kept members of
-the candidates), on at least ``MEMBER_DEV_LIMIT`` (``--member-dev-limit``; all dev items when
-fewer) — the first dev items of the same seeded order, so the candidates' items are among them. A
-member alone is the cheapest row, and picking the wrong one is what puts ``auto`` below the best
-member: 50 generate-form dev items could not tell the members apart on a task mixing many subtasks
-(BBH). The challenger's gain is paired on the candidates' items.
+Dev counts (``dev_counts``): every row and candidate runs on ``DEV_LIMITS[form]`` dev items — 500 in
+the likelihood form, 200 in the generate form — and the members alone, which decide the best member
+(and so the gate, the primary and the kept members of the candidates), on at least
+``MEMBER_DEV_LIMITS[form]`` (the same 500 / 200), the first dev items of the same seeded order, so
+the candidates' items are among them. ``--dev-limit`` and ``--member-dev-limit`` override the
+defaults; the members never rank on fewer items than the rest. A task whose dev pool is smaller
+runs on all of it, and the choice says so (``dev_note``: in ``results.json``, ``results.md`` and the
+header of ``auto/<task>.yaml``). A member alone is the cheapest row, and picking the wrong one is
+what puts ``auto`` below the best member: 50 generate-form dev items could not tell the members
+apart on a task mixing many subtasks (BBH). The challenger's gain is paired on the candidates' items.
 """
 
 from __future__ import annotations
@@ -43,8 +47,25 @@ from tokenfuse.eval.stats import paired_bootstrap
 
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 LEVEL = 0.90
-DEV_LIMITS = {"likelihood": 200, "generate": 50}  # dev items per task by default (``--dev-limit``)
-MEMBER_DEV_LIMIT = 200  # at least this many for the members alone (``--member-dev-limit``)
+DEV_LIMITS = {"likelihood": 500, "generate": 200}  # every row and candidate, per task (``--dev-limit``)
+MEMBER_DEV_LIMITS = {"likelihood": 500, "generate": 200}  # the members alone, at least (``--member-dev-limit``)
+
+
+def dev_counts(form: str, dev_limit: int | None = None, member_dev_limit: int | None = None) -> tuple[int, int]:
+    """The dev items asked for in ``form``: ``(every row and candidate, the members alone)``. An
+    explicit ``--dev-limit`` / ``--member-dev-limit`` wins over the form's default; the members never
+    get fewer than the rest. A smaller dev pool gives all of its items (``dev_note`` says so)."""
+    n = dev_limit or DEV_LIMITS[form]
+    return n, max(n, member_dev_limit or MEMBER_DEV_LIMITS[form])
+
+
+def dev_note(asked: int, member_asked: int, *, used: int, member_used: int, pool: int, source: str) -> str | None:
+    """Why fewer dev items were used than asked (``None`` when every count was met)."""
+    if used >= asked and member_used >= member_asked:
+        return None
+    short = [f"{u} of {a} {who}" for u, a, who in ((used, asked, "for every row and candidate"),
+                                                   (member_used, member_asked, "for the members alone")) if u < a]
+    return f"dev items {', '.join(short)}: the dev pool ({source}) has {pool}"
 
 
 @dataclass(frozen=True)
@@ -144,12 +165,13 @@ def chosen_config(cfg, spec: MethodSpec):
     return parse_config(data, origin=f"auto {spec.name}")
 
 
-def config_text(config, choice: Choice, *, task: str) -> str:
+def config_text(config, choice: Choice, *, task: str, note: str | None = None) -> str:
     """The chosen config as YAML under a comment header with the dev accuracies it was chosen on."""
     from tokenfuse.select import config_yaml
 
     head = [f"# Chosen by `tokenfuse eval`'s auto row on {task}: {choice.chosen}, on {choice.n} dev items "
-            f"({choice.member_n} for the members alone; never the test items).", "# dev accuracy of every candidate:"]
+            f"({choice.member_n} for the members alone; never the test items).",
+            *([f"# Fewer than asked: {note}."] if note else []), "# dev accuracy of every candidate:"]
     def items(name: str) -> str:  # a member alone's accuracy is on its own (more) dev items
         return f" (on the members' {choice.member_n})" if name.startswith("single:") and choice.member_n != choice.n else ""
 

@@ -53,10 +53,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--primary", help="primary member (vote ties, likelihood segmentation)")
     p.add_argument("--gate", dest="eval_gate", help="gate of gac-threshold (default: the config's gate, else the primary member)")
     p.add_argument("--threshold", dest="eval_threshold", type=float, help="threshold of gac-threshold (default: the config's, else 0.5)")
-    p.add_argument("--dev-limit", type=int, help="auto: dev items per task it chooses on (default 200 in the "
-                                                 "likelihood form, 50 in the generate form)")
+    p.add_argument("--dev-limit", type=int, help="auto: dev items per task it chooses on (default 500 in the "
+                                                 "likelihood form, 200 in the generate form; all when the "
+                                                 "task's dev pool is smaller)")
     p.add_argument("--member-dev-limit", type=int, help="auto: dev items the members alone are ranked on "
-                                                        "(default 200; never fewer than --dev-limit)")
+                                                        "(default 500 likelihood / 200 generate; never fewer "
+                                                        "than --dev-limit)")
     p.add_argument("--scoring", choices=("one-forward", "stepwise"),
                    help="likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

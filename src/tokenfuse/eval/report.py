@@ -319,7 +319,9 @@ def auto_lines(results: dict) -> list[str]:
             f"{c['dev_items']} (members {c['member_dev_items']})"
         out.append(f"| {t} | {items} | {c['chosen']} | {c['best_single']} {_pct(acc[c['best_single']])} | "
                    f"{other} | {gain} |")
-    return out
+    notes = [f"* {t}: {c['dev_note']}." for t, c in choices.items() if c.get("dev_note")]
+    return out + (["", "Fewer dev items than asked (the default is 500 in the likelihood form, 200 in the generate "
+                   "form), where the task's dev pool is smaller:", "", *notes] if notes else [])
 
 
 def plot(results: dict, path: Path) -> Path | None:

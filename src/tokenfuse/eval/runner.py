@@ -60,8 +60,10 @@ class EvalSettings:
         limit: items per task (a fixed seeded subset; ``None`` = all); ``limits`` per task override it.
         mc: form of the multiple-choice tasks: ``likelihood`` (default) or ``generate``.
         max_new_tokens: per-task generation limits overriding the task's own (``{"gsm8k": 192}``).
-        dev_limit: dev items per task for the ``auto`` row's choice (every row and candidate).
-        member_dev_limit: dev items the members alone are ranked on for it (never fewer than ``dev_limit``).
+        dev_limit: dev items per task for the ``auto`` row's choice (every row and candidate; default
+            500 in the likelihood form, 200 in the generate form, ``eval.auto.dev_counts``).
+        member_dev_limit: dev items the members alone are ranked on for it (the same defaults; never
+            fewer than ``dev_limit``).
     """
 
     tasks: Sequence[str] = DEFAULT_TASKS
@@ -76,8 +78,8 @@ class EvalSettings:
     max_new_tokens: dict[str, int] = field(default_factory=dict)
     num_fewshot: int | None = None
     progress: bool = True
-    dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form)
-    member_dev_limit: int | None = None  # auto: dev items the members alone rank on (``eval.auto.MEMBER_DEV_LIMIT``)
+    dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form: 500 / 200)
+    member_dev_limit: int | None = None  # auto: the members alone (default ``eval.auto.MEMBER_DEV_LIMITS`` by form)
     auto_choices: dict[str, dict] = field(default_factory=dict)  # filled by the run: auto's choice per task
 
 
@@ -218,13 +220,13 @@ def choose_on_dev(cfg, base, task, table: Sequence[MethodSpec], settings: EvalSe
     from tokenfuse.eval import auto
 
     form = task_form(task, settings.mc)
-    limit = settings.dev_limit or auto.DEV_LIMITS[form]
+    limit, member_limit = auto.dev_counts(form, settings.dev_limit, settings.member_dev_limit)
     dev_items = task.dev_subset(limit, settings.seed)
     if not dev_items:
         raise TokenfuseError(f"auto: task {task.name!r} has no dev items to choose on")
-    # The members alone rank on at least MEMBER_DEV_LIMIT dev items (cheap rows; the seeded order
-    # makes dev_items the first of them), every other row and candidate on dev_items.
-    member_items = task.dev_subset(max(limit, settings.member_dev_limit or auto.MEMBER_DEV_LIMIT), settings.seed)
+    # The members alone rank on at least as many dev items (cheap rows; the seeded order makes
+    # dev_items the first of them), every other row and candidate on dev_items.
+    member_items = task.dev_subset(member_limit, settings.seed)
     singles = [s for s in table if s.name.startswith("single:")]
     ranked = run_rows(cfg, base, task, singles, member_items, settings, split="dev")
     extra = auto.candidates(cfg, ranked)  # they follow the members' dev accuracies; then all rows share forwards
@@ -232,11 +234,14 @@ def choose_on_dev(cfg, base, task, table: Sequence[MethodSpec], settings: EvalSe
     choice = auto.choose(dev, ranked)
     spec = next(s for s in [*table, *extra] if s.name == choice.chosen)
     config = auto.chosen_config(cfg, spec)
-    info = choice.as_dict() | {"config": None}
+    pool = {"source": task.dev_source, "size": len(task.dev_items()), "asked": limit, "member_asked": member_limit}
+    note = auto.dev_note(limit, member_limit, used=len(dev_items), member_used=len(member_items),
+                         pool=pool["size"], source=pool["source"])
+    info = choice.as_dict() | {"dev_pool": pool, "dev_note": note, "config": None}
     if config is not None:
         path = Path(settings.out) / "auto" / f"{task.name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(auto.config_text(config, choice, task=task.name), encoding="utf-8")
+        path.write_text(auto.config_text(config, choice, task=task.name, note=note), encoding="utf-8")
         info["config"] = str(path)
     settings.auto_choices[task.name] = info
     return spec

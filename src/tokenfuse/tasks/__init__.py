@@ -11,10 +11,10 @@ from the directory given as ``data_dir`` (``--data``), else ``$TOKENFUSE_DATA``.
         task.score(item, text).correct
     task.cloze(item)   # multiple choice only: context + continuations for likelihood scoring
 
-| task | module | shots | answer | dev items (``dev_items``) |
+| task | module | shots | answer | dev pool (``Task.dev_pool``, ``dev_items``) |
 |---|---|---|---|---|
-| gsm8k | ``gsm8k`` | 5 from train, CoT | last number | hash split of test |
-| mmlu | ``mmlu`` | the subject's 5 dev items | generated letter | hash split of test |
+| gsm8k | ``gsm8k`` | 5 from train, CoT | last number | ``gsm8k/train.jsonl`` less the shots |
+| mmlu | ``mmlu`` | the subject's 5 dev items | generated letter | ``mmlu/dev.jsonl`` + hash split of test |
 | arc_challenge, arc_easy | ``arc`` | 0 | generated letter | ``arc/*_dev.jsonl`` |
 | piqa | ``piqa`` | 0 | generated letter | hash split |
 | boolq | ``boolq`` | 0 | generated yes/no | hash split |
@@ -22,8 +22,10 @@ from the directory given as ``data_dir`` (``--data``), else ``$TOKENFUSE_DATA``.
 | nq_open | ``qa`` | 5 | normalised exact match, any alias | hash split |
 | bbh | ``bbh`` | the official 3 CoT exemplars | exact match after "the answer is" | hash split |
 
-The hash split (``base.is_dev``) sets about one item in ten aside for choosing configurations and
-removes it from ``items``, so reported items never include a dev item.
+The hash split (``base.is_dev``) sets about one item in ten aside and removes it from ``items``
+(GSM8K's too, though its pool is the train file, so its test items are what they were before), so
+reported items never include a dev item. A dev file missing from the data directory: the hash
+split instead, said on standard error. No dev item is its own few-shot exemplar (each module says how).
 
 Each module's docstring gives its exact templates; ``base`` documents how prompts are assembled;
 ``run`` holds the prompt-form rule and "generate a batch, then grade" (``generate_graded``).

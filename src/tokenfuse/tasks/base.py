@@ -23,10 +23,15 @@ Prompt assembly, the same for every task (lm-evaluation-harness's ``fewshot_cont
 Each task module documents its ``description``, ``query``, ``target`` and their chat variants.
 
 Dev items (``dev_items``, for choosing a configuration — ``tokenfuse select`` and ``eval``'s ``auto``
-row — never for reporting): the benchmark's own dev split where it has one (``dev_file``: ARC's
-``*_dev.jsonl``; TriviaQA's dev file less the shots taken from it); otherwise a hash split of the
-evaluated items: an item whose ``sha256(f"dev:{id}")`` is 0 modulo ``DEV_SHARE`` (10, i.e. about one
-item in ten) is a dev item and is left out of ``items``, so test items never include one.
+row — never for reporting) come from the task's **dev pool**, declared once per task as
+``dev_pool`` (a ``DevPool``): the benchmark's own dev or train files (``files``: ARC's
+``*_dev.jsonl``, GSM8K's ``train.jsonl``, TriviaQA's and MMLU's ``dev.jsonl``), less any item that is
+a few-shot exemplar of every item (``exemplar_ids``), and/or the hash split of the evaluated items
+(``hash_split``): an item whose ``sha256(f"dev:{id}")`` is 0 modulo ``DEV_SHARE`` (10, i.e. about one
+item in ten). The hash-split share is left out of ``items`` whenever it is a dev item, so test
+items never include one (``hold_out``; GSM8K keeps its share out although its pool is the train
+file, so its test items stay what they were). A task whose dev file is missing from the data
+directory (older data) falls back to the hash split, with a line on standard error saying so.
 
 Subsets: ``subset(limit, seed)`` ranks every item by ``sha256(f"{seed}:{item['id']}")`` and keeps
 the ``limit`` first, returned in file order. The choice depends only on the seed and the ids (not on
@@ -39,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,12 +116,34 @@ def read_jsonl(root: Path, relative: str) -> list[Item]:
     return items
 
 
-DEV_SHARE = 10  # without a dev file: about one item in DEV_SHARE is a dev item
+DEV_SHARE = 10  # the hash split: about one item in DEV_SHARE is a dev item
 
 
 def is_dev(item: Item) -> bool:
-    """Whether a task without a dev file keeps ``item`` for choosing configurations (the hash split)."""
+    """Whether ``item`` falls in the hash split's dev share (``sha256(f"dev:{id}")`` is 0 modulo ``DEV_SHARE``)."""
     return int(hashlib.sha256(f"dev:{item['id']}".encode()).hexdigest(), 16) % DEV_SHARE == 0
+
+
+@dataclass(frozen=True)
+class DevPool:
+    """Where a task's dev items come from (``Task.dev_pool``; the module docstring).
+
+    Attributes:
+        files: the benchmark's own dev (or train) files, relative to the data directory; their items
+            less the exemplars (``Task.exemplar_ids``) are dev items.
+        hash_split: the hash-split share of the evaluated items is a dev item too.
+        hold_out: the hash-split share is left out of the evaluated items (always, when ``hash_split``).
+    """
+
+    files: tuple[str, ...] = ()
+    hash_split: bool = True
+    hold_out: bool = False
+
+    def describe(self) -> str:
+        return " + ".join([*self.files] + (["the hash split of the test file"] if self.hash_split else []))
+
+
+HASH_SPLIT = DevPool()  # the default pool: the hash split alone
 
 
 def rank_key(seed: int, item_id: str) -> str:
@@ -160,7 +188,7 @@ class Task:
     stop_raw: ClassVar[tuple[str, ...]] = ()
     stop_chat: ClassVar[tuple[str, ...]] = ()
     multiple_choice: ClassVar[bool] = False
-    dev_file: ClassVar[str | None] = None  # the benchmark's own dev split; None: the hash split (``is_dev``)
+    dev_pool: ClassVar[DevPool] = HASH_SPLIT  # where the dev items come from (the module docstring)
 
     def __init__(self, data_dir: str | os.PathLike | None = None, *, num_fewshot: int | None = None,
                  fewshot_seed: int = DEFAULT_SEED) -> None:
@@ -170,12 +198,28 @@ class Task:
             raise TaskDataError(f"num_fewshot: expected 0 or more, got {self.shots_n}")
         self.fewshot_seed = fewshot_seed
         loaded = self._load()
-        if self.dev_file is None:  # the hash split: dev items never reach the evaluated ones
-            self._dev_items: list[Item] | None = [it for it in loaded if is_dev(it)]
+        self.dev_source = self._resolve_dev_pool()
+        share = [it for it in loaded if is_dev(it)] if self.pool.hash_split or self.pool.hold_out else []
+        if share:  # the hash-split share never reaches the evaluated items
             loaded = [it for it in loaded if not is_dev(it)]
-        else:
-            self._dev_items = None  # read on first use
+        self._held: list[Item] = share if self.pool.hash_split else []
+        self._dev_items: list[Item] | None = None  # read on first use
         self.items: list[Item] = loaded
+
+    def _resolve_dev_pool(self) -> str:
+        """Set ``self.pool`` (``dev_pool``, or the hash split when a dev file is missing, said on
+        standard error) and return its description."""
+        missing = [f for f in self.dev_pool.files if not (self.data_dir / f).is_file()]
+        self.pool = self.dev_pool
+        if not missing:
+            taken = len(self.exemplar_ids()) if self.pool.files else 0
+            return self.pool.describe() + (f" (less the {taken} shots taken from it)" if taken else "")
+        self.pool = HASH_SPLIT
+        note = f"the hash split of the test file (no {', '.join(missing)})"
+        print(f"{self.name}: {', '.join(missing)} not found under {self.data_dir}: dev items fall back to "
+              f"the hash split of the test file (about one item in {DEV_SHARE}, left out of the test items)",
+              file=sys.stderr)
+        return note
 
     # ------------------------------------------------------------------ data
     def _load(self) -> list[Item]:
@@ -187,14 +231,16 @@ class Task:
         return subset(self.items, limit, seed)
 
     def dev_items(self) -> list[Item]:
-        """The items configurations are chosen on (see the module docstring); never in ``items``."""
+        """The dev pool's items (see the module docstring); never in ``items``, never an exemplar of every item."""
         if self._dev_items is None:
-            self._dev_items = self._load_dev()
+            taken = self.exemplar_ids()
+            files = [it for f in self.pool.files for it in read_jsonl(self.data_dir, f) if str(it["id"]) not in taken]
+            self._dev_items = files + self._held
         return self._dev_items
 
-    def _load_dev(self) -> list[Item]:
-        """The dev file's items (a task whose shots come from it leaves them out)."""
-        return read_jsonl(self.data_dir, self.dev_file)
+    def exemplar_ids(self) -> set[str]:
+        """Ids of the pool items that are every item's few-shot exemplars (left out of the dev pool)."""
+        return set()
 
     def dev_subset(self, limit: int | None, seed: int = DEFAULT_SEED) -> list[Item]:
         """A fixed seeded subset of the dev items, as ``subset`` of the test items."""

@@ -18,6 +18,9 @@ Generation: at most 256 new tokens (the harness allows 1024; the exemplars' chai
 shorter); stop at ``"\\n\\n"`` or ``"\\nQ:"`` (raw), ``"\\n\\nQ:"`` (chat). Grading: the text after
 the last "the answer is" up to the end of its line, without a trailing period
 (``scoring.extract_bbh``), must equal the target exactly (``(B)``, ``True``, ``} ] >``...).
+
+Dev pool: the hash split of ``bbh/test.jsonl`` (about one item in ten, left out of the test items);
+the exemplars are the official prompts', never items of the file.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ Generation: at most 8 new tokens; stop at ``"\\n"`` (raw) or ``"\\n\\n"``/``"Que
 Grading: the first ``yes``/``no``/``true``/``false`` word of the output (``scoring.extract_yes_no``)
 equals the gold.
 Cloze form: the raw prompt as context, continuations ``(" no", " yes")`` (the source's order).
+Dev pool: the hash split (about one item in ten, left out of the test items); 0-shot.
 """
 
 from __future__ import annotations

@@ -21,11 +21,17 @@ Chat form: user ``Question: {shot question}`` / assistant ``{shot solution}`` pe
 Generation: at most 256 new tokens; stop at ``"\\n\\n"`` or ``"Question:"`` (raw), ``"Question:"``
 (chat: instruct models write blank lines inside an answer). Scoring: the last number in the output
 (``scoring.last_number``) equals the gold number numerically; an output without a number is wrong.
+
+Dev pool: ``gsm8k/train.jsonl`` (7,473 items) less the shots (the same for every item, so no dev
+item is its own exemplar: 7,468 with 5 shots). The hash-split share of the test file (about one in
+ten) stays out of the test items, as before the train file was the pool, so the test items are
+unchanged; it is not a dev item either. Without the train file (older data; then ``--num-fewshot 0``):
+the hash split of the test file.
 """
 
 from __future__ import annotations
 
-from tokenfuse.tasks.base import Item, Task, pick_shots, read_jsonl
+from tokenfuse.tasks.base import DevPool, Item, Task, pick_shots, read_jsonl
 from tokenfuse.tasks.scoring import last_number, same_number
 
 
@@ -35,6 +41,7 @@ class GSM8K(Task):
     max_new_tokens = 256
     stop_raw = ("\n\n", "Question:")
     stop_chat = ("Question:",)
+    dev_pool = DevPool(("gsm8k/train.jsonl",), hash_split=False, hold_out=True)
 
     def _load(self) -> list[Item]:
         items = read_jsonl(self.data_dir, "gsm8k/test.jsonl")
@@ -47,6 +54,9 @@ class GSM8K(Task):
 
     def shots(self, item: Item) -> list[Item]:
         return self._shots
+
+    def exemplar_ids(self) -> set[str]:
+        return {s["id"] for s in self._shots}
 
     def query(self, item: Item) -> str:
         return f"Question: {item['question']}\nAnswer:"

@@ -30,13 +30,20 @@ Cloze form (lm-evaluation-harness ``mmlu_continuation``): context
 ``The following are questions (with answers) about {subject}.\\n\\n`` + the shots as
 ``Question: {q}\\nAnswer: {gold option text}`` joined by ``"\\n\\n"`` + ``"\\n\\n"`` +
 ``Question: {question}\\nAnswer:``; continuations ``" {choice}"``.
+
+Dev pool: ``mmlu/dev.jsonl`` (285 items, 5 per subject) plus the hash split of the test file (about
+one item in ten, left out of the test items, as before the dev file joined the pool: 1,707 in all).
+The dev file's items are also the shots, so a dev-file item's shots are its subject's *other* dev
+items (the first ``num_fewshot`` of them: 4 with 5 shots, as a subject has 5); every other item,
+test or dev, gets the subject's first ``num_fewshot`` dev items as before. No dev item is its own
+exemplar. Without the dev file (then ``--num-fewshot 0``): the hash split alone.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from tokenfuse.tasks.base import ClozeItem, Item, TaskDataError, letters, read_jsonl
+from tokenfuse.tasks.base import ClozeItem, DevPool, Item, TaskDataError, letters, read_jsonl
 from tokenfuse.tasks.multiple_choice import LetterTask, gold_index
 
 
@@ -49,6 +56,7 @@ class MMLU(LetterTask):
     num_fewshot = 5
     stop_raw = ("\n",)
     stop_chat = ("\n\n",)
+    dev_pool = DevPool(("mmlu/dev.jsonl",), hash_split=True)
 
     def _load(self) -> list[Item]:
         items = read_jsonl(self.data_dir, "mmlu/test.jsonl")
@@ -63,7 +71,8 @@ class MMLU(LetterTask):
         return items
 
     def shots(self, item: Item) -> list[Item]:
-        return self._dev[item["subject"]][: self.shots_n]
+        """The subject's first ``shots_n`` dev items, never the item itself (a dev-file item in the dev pool)."""
+        return [s for s in self._dev[item["subject"]] if s["id"] != item["id"]][: self.shots_n]
 
     def description(self, item: Item) -> str:
         return f"The following are multiple choice questions (with answers) about {subject_name(item)}.\n\n"

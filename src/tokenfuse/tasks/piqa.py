@@ -2,6 +2,7 @@
 
 Templates, stops and the cloze form: ``multiple_choice.ZeroShotLetterTask`` (two options, A/B;
 the cloze continuations keep the solutions' trailing spaces as the source has them).
+Dev pool: the hash split (about one item in ten, left out of the test items); 0-shot.
 """
 
 from __future__ import annotations

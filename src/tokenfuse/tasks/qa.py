@@ -23,6 +23,8 @@ appends one). Raw form (``delimiter = "\\n\\n"``)::
     Answer:
 
 Chat form: user ``Question: {q}`` / assistant ``{answer}`` per shot, then user ``Question: {q}``.
+Dev pool: ``triviaqa/dev.jsonl`` (8,837 items) less the shots (the same for every item, so no dev
+item is its own exemplar: 8,832 with 5 shots); without the file (older data): the hash split.
 
 NQ-open (``nq_open/test.jsonl``). There is no train or dev file, so the shots come from the test
 file itself and are removed from the items that are evaluated (3,605 of 3,610 with 5 shots).
@@ -42,7 +44,7 @@ user ``Q: {q}?``; the item last.
 
 from __future__ import annotations
 
-from tokenfuse.tasks.base import Item, Task, pick_shots, read_jsonl
+from tokenfuse.tasks.base import DevPool, Item, Task, pick_shots, read_jsonl
 from tokenfuse.tasks.boolq import question_mark
 from tokenfuse.tasks.scoring import match_any_alias
 
@@ -62,6 +64,9 @@ class OpenQA(Task):
     def shots(self, item: Item) -> list[Item]:
         return self._shots
 
+    def exemplar_ids(self) -> set[str]:
+        return {s["id"] for s in self._shots}
+
     def target(self, item: Item) -> str:
         return " " + item["answer"]
 
@@ -74,17 +79,13 @@ class OpenQA(Task):
 
 class TriviaQA(OpenQA):
     name = "triviaqa"
-    dev_file = "triviaqa/dev.jsonl"
+    dev_pool = DevPool(("triviaqa/dev.jsonl",), hash_split=False)
 
     def _load(self) -> list[Item]:
         items = read_jsonl(self.data_dir, "triviaqa/test.jsonl")
         pool = read_jsonl(self.data_dir, "triviaqa/dev.jsonl") if self.shots_n else []
         self._shots = pick_shots(pool, self.fewshot_seed, self.shots_n, keep=short_answer)
         return items
-
-    def _load_dev(self) -> list[Item]:
-        shots = {s["id"] for s in self._shots}
-        return [it for it in super()._load_dev() if it["id"] not in shots]
 
     def query(self, item: Item) -> str:
         return f"Question: {question_mark(item['question'])}\nAnswer:"
