@@ -20,6 +20,12 @@ from tokenfuse.members.transformers import TransformersMember
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script_env() -> dict[str, str]:
+    """The environment a script of the repo runs in: its ``src`` first; a crash prints where it happened."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+                PYTHONFAULTHANDLER="1")
+
+
 def readme_python_example() -> str:
     """The first ```python block under the README's first "## ...Python..." heading."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -124,7 +130,7 @@ def test_llamacpp_shared_model_is_freed_with_its_last_member():
 def test_readme_python_example_exits_cleanly(tokenizer_dirs):
     """The README's Python quick start, run as a script, leaves nothing on stderr but progress lines:
     no traceback at exit (llama-cpp-python freeing its models after its module is gone)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    env = _script_env()
     run = subprocess.run([sys.executable, "-c", readme_python_example()], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr
@@ -146,7 +152,7 @@ print(ens.generate("The capital of France is", max_new_tokens=4).steps)
 
 @pytest.mark.real
 def test_a_hand_built_ensemble_left_open_exits_cleanly(tokenizer_dirs):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    env = _script_env()
     run = subprocess.run([sys.executable, "-c", HAND_BUILT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr
