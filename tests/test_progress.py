@@ -164,6 +164,8 @@ def test_eval_writes_one_line_per_task_and_row(make_tiny, one_thread, tmp_path, 
     data.write_text("".join(json.dumps({"id": f"arc-{i}", "question": q, "choices": ch, "answer": a}) + "\n"
                             for i, (q, ch, a) in enumerate([("Which is a liquid?", ["rock", "water"], "B"),
                                                             ("Which is hot?", ["ice", "fire"], "B")])))
+    (data.parent / "easy_dev.jsonl").write_text(json.dumps({"id": "arc-dev-0", "question": "Which is cold?",
+                                                            "choices": ["ice", "fire"], "answer": "A"}) + "\n")
     qa = tmp_path / "data" / "triviaqa"
     qa.mkdir()
     for split in ("test", "dev"):
