@@ -32,7 +32,7 @@ def run_script(code: str) -> subprocess.CompletedProcess:
     """``code`` run as a script from the repo root.
 
     Known and not yet explained: inside the whole test suite (never alone: 0 of about 18 standalone runs,
-    also with both cores busy), the README's script was once killed by SIGABRT with nothing on stdout
+    also with both cores busy), the README's script was killed by SIGABRT with nothing on stdout
     or stderr, before its members had loaded (2 of 4 full runs). Such a death — a signal, no output,
     no traceback — is reported as a warning with what it printed and the script is run once more;
     the second run must pass every check. Anything else fails at once.
