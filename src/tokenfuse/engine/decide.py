@@ -53,7 +53,6 @@ class Decider:
     def __init__(self, members: Sequence[Member], space: VocabSpace, combiner: Combiner, pool: MemberPool,
                  timer: StageTimer, options: EnsembleOptions, *, primary: int) -> None:
         self.members = list(members)
-        self.names = [m.name for m in self.members]
         self.space = space
         self.combiner = combiner
         self.pool = pool

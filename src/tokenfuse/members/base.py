@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenfuse.errors import ConfigError, TokenfuseError
@@ -116,14 +117,13 @@ class StateSnapshot:
     logprobs_len: int
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the common prefix of two id lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """The length of the common prefix of two id lists (of their first ``limit`` ids, if given)."""
+    n = min(len(a), len(b), len(a) if limit is None else limit)
+    if n <= 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
 
 
 class Member(ABC):

@@ -53,10 +53,10 @@ import numpy as np
 import torch
 
 from tokenfuse.errors import ModelLoadError
-from tokenfuse.members.base import LocalMember, SeqState, Shared, cpu_cores
+from tokenfuse.members.base import LocalMember, SeqState, Shared, common_prefix, cpu_cores
 from tokenfuse.members.codec import load_or_build_codec
 from tokenfuse.members.embeddings import EmbeddingRows
-from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, common_prefix, prompt_head,
+from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, prompt_head,
                                                reusable_prefix, reusable_prefix_exact, start_at_a_block)
 from tokenfuse.members.llamacpp_lib import LOAD_LOCK, exact_calls_for_build, import_llama_cpp, weights_as_stored
 

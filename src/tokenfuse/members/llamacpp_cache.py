@@ -8,8 +8,6 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-import numpy as np
-
 from tokenfuse.members.base import SeqState
 
 # llama.cpp's CPU kernels compute a decode call of fewer than BLOCK ids differently from a longer one
@@ -95,12 +93,3 @@ def start_at_a_block(st: SeqState) -> None:
     """``exact_calls``: a feed inside the prompt's blocks starts at a block boundary (crop further)."""
     if st.n_valid < prompt_head(st):
         st.n_valid -= st.n_valid % LARGE
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """How many of the first ``limit`` ids ``a`` and ``b`` share."""
-    n = min(len(a), len(b), limit)
-    if n <= 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n

@@ -36,7 +36,6 @@ class DecisionContext(Protocol):
     """What a strategy may use of the decision that binds it (``Decider``)."""
 
     members: list[Member]
-    names: list[str]
     space: VocabSpace
     primary: int
     pool: MemberPool

@@ -26,4 +26,4 @@ class Gate(Strategy):
                               "probability is at or below it), e.g. threshold: 0.5")
 
     def gate(self) -> tuple[int, float]:
-        return self.decider.names.index(self.options.gate), self.options.threshold
+        return self.decider.space.names.index(self.options.gate), self.options.threshold
