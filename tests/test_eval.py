@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tokenfuse.engine import Likelihood
-from tokenfuse.config import config_from_models
+from tokenfuse.config import config_from_models, parse_config
 from tokenfuse.eval.methods import MethodSpec, answer_key, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.report import markdown_table, summarise
 from tokenfuse.eval.runner import EvalSettings, run_eval
@@ -416,9 +416,58 @@ def test_generate_form_runs_the_rows_batch_by_batch(tiny_pair, data_dir, tmp_pat
     settings = EvalSettings(tasks=["triviaqa"], methods=["single", "gac"], limit=3, data=str(data_dir),
                             out=str(tmp_path / "out"), batch_size=2, num_fewshot=0,
                             max_new_tokens={"triviaqa": 3}, progress=False)
-    run_eval(config_from_models("s,q"), settings, members=members, union=union, log=lambda m: None)
+    run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=union, log=lambda m: None)
     first, second = calls[0], calls[3]
     assert calls == [first] * 3 + [second] * 3 and len(first) == 2 and len(second) == 1
+
+
+def test_task_primary_is_the_dev_best_member_unless_the_config_names_one(tiny_pair, data_dir, tmp_path, monkeypatch):
+    """With no ``primary`` and no scores, the member best on the task's dev items gates, drafts and
+    leads; every ensemble row carries it in its overrides, and results.md says whence it came."""
+    from tokenfuse.eval import runner
+    from tokenfuse.eval.report import primary_lines
+    from tokenfuse.tasks import load_task
+
+    members, union = tiny_pair
+    task = load_task("triviaqa", str(data_dir), num_fewshot=0)
+    seen = []
+
+    def fake_rows(cfg, base, task, specs, items, settings, *, split="test"):
+        seen.append((split, [s.name for s in specs], len(items)))
+        return {s.name: [{"id": it["id"], "correct": s.name == "single:q" or i == 0} for i, it in enumerate(items)]
+                for s in specs}
+
+    monkeypatch.setattr(runner, "run_rows", fake_rows)
+    settings = EvalSettings(tasks=["triviaqa"], methods=["single", "gac-threshold"], data=str(data_dir),
+                            out=str(tmp_path / "out"), progress=False, member_dev_limit=3)
+    n = len(task.dev_subset(3, settings.seed))
+    assert runner.task_primary(config_from_models("s,q"), None, task, settings.methods, settings) == "q"
+    assert seen == [("dev", ["single:s", "single:q"], n)]
+    assert settings.primaries["triviaqa"] == {"member": "q", "from": "dev", "dev_items": n,
+                                              "dev_acc": {"s": 1 / n, "q": 1.0}}
+    assert primary_lines({"primaries": settings.primaries})[-1] == (
+        f"* triviaqa: q — best of the members alone on {n} dev items (s {100 / n:.1f}, q 100.0)")
+    # The config's primary, a member's score, or only the members alone: no dev items are run.
+    for cfg, methods in ((config_from_models("s,q", primary="s"), ["gac"]), (config_from_models("s,q"), ["single"])):
+        assert runner.task_primary(cfg, None, task, methods, settings) == "s"
+        assert settings.primaries["triviaqa"] == {"member": "s", "from": "config"}
+    scored = parse_config({"members": [{"name": "s"}, {"name": "q", "score": 0.2}]})
+    assert runner.task_primary(scored, None, task, ["gac"], settings) == "q" and len(seen) == 1
+    assert primary_lines({"primaries": settings.primaries}) == []
+    # The rows that read the primary get it pinned.
+    specs = {s.name: s for s in plan_methods(config_from_models("s,q"), ["gac-threshold", "contrast", "gac"],
+                                              form="generate", registered=["gac", "contrast"], log=lambda m: None,
+                                              primary="q")}
+    assert specs["gac-threshold"].overrides["gate"] == "q" and specs["gac-threshold"].overrides["primary"] == "q"
+    assert specs["contrast"].overrides == {"method": "contrast", "gate": None, "threshold": None, "primary": "q"}
+    assert specs["gac"].overrides["primary"] == "q"
+    # --threshold alone: the task's primary gates at it; a config's own gate keeps its own threshold.
+    (row,) = plan_methods(config_from_models("s,q"), ["gac-threshold"], form="generate", registered=["gac"],
+                          log=lambda m: None, primary="q", threshold=0.7)
+    assert (row.overrides["gate"], row.overrides["threshold"]) == ("q", 0.7)
+    (row,) = plan_methods(config_from_models("s,q", gate="s", threshold=0.2), ["gac-threshold"], form="generate",
+                          registered=["gac"], log=lambda m: None, primary="q", threshold=0.7)
+    assert (row.overrides["gate"], row.overrides["threshold"]) == ("s", 0.2)
 
 
 def read_ids(path):

@@ -176,7 +176,7 @@ def test_eval_writes_one_line_per_task_and_row(make_tiny, one_thread, tmp_path, 
     settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods=["single", "gac"], limit=2,
                             data=str(tmp_path / "data"), out=str(out), batch_size=2, num_fewshot=0,
                             max_new_tokens={"triviaqa": 2})
-    run_eval(config_from_models("s,q"), settings, members=members, union=Ensemble(members).union,
+    run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=Ensemble(members).union,
              log=lambda msg: None)
     for method in ("single:s", "single:q", "gac"):
         assert len(read_records(item_file(out, "arc_easy", "likelihood", method))) == 2

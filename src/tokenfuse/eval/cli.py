@@ -51,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=int, help="override every task's number of shots")
     p.add_argument("--seed", type=int, default=1234, help="seed of the item subsets (default 1234)")
     p.add_argument("--primary", help="primary member (vote ties, likelihood segmentation)")
-    p.add_argument("--gate", dest="eval_gate", help="gate of gac-threshold (default: the config's gate, else the primary member)")
+    p.add_argument("--gate", dest="eval_gate", help="gate of gac-threshold (default: the config's gate, else the task's primary member)")
     p.add_argument("--threshold", dest="eval_threshold", type=float, help="threshold of gac-threshold (default: the config's, else 0.5)")
     p.add_argument("--dev-limit", type=int, help="auto: dev items per task it chooses on (default 500 in the "
                                                  "likelihood form, 200 in the generate form; all when the "
@@ -73,17 +73,18 @@ def run(args: argparse.Namespace) -> int:
             raise TokenfuseError(f"{flag}: expected 1 or more, got {value}")
     if args.batch_size < 1:
         raise TokenfuseError(f"--batch-size: expected 1 or more, got {args.batch_size}")
+    if args.eval_threshold is not None and not 0 <= args.eval_threshold <= 1:
+        raise TokenfuseError(f"--threshold: expected a number in [0, 1], got {args.eval_threshold}")
     cfg = EnsembleConfig.from_args(args)
-    if args.eval_gate or args.eval_threshold is not None:  # only gac-threshold uses them
+    if args.eval_gate or (args.eval_threshold is not None and cfg.gate):  # only gac-threshold uses them
         threshold = args.eval_threshold if args.eval_threshold is not None else (cfg.threshold or DEFAULT_THRESHOLD)
-        cfg = cfg.with_overrides(gate=args.eval_gate or cfg.gate or cfg.primary_name, threshold=threshold,
-                                 origin="--gate/--threshold")
+        cfg = cfg.with_overrides(gate=args.eval_gate or cfg.gate, threshold=threshold, origin="--gate/--threshold")
     settings = EvalSettings(
         tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], methods=args.methods, limit=args.limit,
         limits=_int_map(args.task_limits, "--task-limits"), seed=args.seed, data=args.data, out=args.out,
         mc=args.mc, batch_size=args.batch_size, max_new_tokens=_int_map(args.task_max_new_tokens, "--max-new-tokens"),
         num_fewshot=args.num_fewshot, progress=not args.quiet, dev_limit=args.dev_limit,
-        member_dev_limit=args.member_dev_limit)
+        member_dev_limit=args.member_dev_limit, threshold=args.eval_threshold)
     t0 = time.perf_counter()
     results = run_eval(cfg, settings)
     print(markdown_table(results))

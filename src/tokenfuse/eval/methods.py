@@ -12,6 +12,7 @@ Method names (``--methods``):
 | ``gac-select`` | engine | GaC with selective ensembling (``params.select``, default 0.5; SAFE-style) |
 | ``gac-conf`` | engine | GaC with per-step confidence weights (``params.confidence``, default ``entropy``) |
 | ``gac-prompt`` | engine | GaC with PackLLM prompt weights (``prompt_weights`` τ 0.1, ``prompt_bytes`` 512) |
+| ``contrast`` | engine | contrastive decoding across tokenizers: the primary member the expert, the others amateurs (``alpha`` 0.1, ``beta`` 0.5) |
 | ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
 | ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
 | ``seq-avg`` | output | likelihood form only: each option scored by the mean of the members' per-byte log-likelihoods |
@@ -20,6 +21,11 @@ Method names (``--methods``):
 The adaptive rows (``gac-select``, ``gac-conf``, ``gac-prompt``) take the config's value of each of
 their parameters when its method is ``gac`` and it sets one, else the default in ``ADAPTIVE_ROWS``; they are
 not in the default ``--methods``.
+
+The primary member (the gate of ``gac-threshold`` and ``gac-select``, the expert of ``contrast``,
+the tie-breaker of the votes, the likelihood form's segmentation) is, per task, the config's
+``primary``, else its highest member ``score``, else the member best on the task's dev items
+(``runner.task_primary``): every row that reads it gets it as an override (``plan_methods(primary=...)``).
 
 Output-level methods are computed from the ``single`` rows of the same items, so they cost no
 model time (the ``single`` rows are run for them even when ``single`` is not asked for).
@@ -43,7 +49,7 @@ from tokenfuse.errors import TokenfuseError
 # adaptive GaC rows: the parameters each sets and their defaults (engine.strategies' Params)
 ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entropy"},
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512}}
-ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS)
+ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS, "contrast")
 OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
 ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2], "auto")
 DEFAULT_THRESHOLD = 0.5
@@ -83,17 +89,22 @@ def parse_methods(text: str | Sequence[str]) -> list[str]:
 
 
 def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[str],
-                 log: Callable[[str], None] = print) -> list[MethodSpec]:
+                 log: Callable[[str], None] = print, primary: str | None = None,
+                 threshold: float | None = None) -> list[MethodSpec]:
     """The rows to run for ``names`` on config ``cfg`` in ``form`` (``generate``/``likelihood``).
 
     Engine methods whose combiner is not registered are skipped with a message, as is
     ``gac-threshold`` in the likelihood form; singles come first (output-level rows need them).
+    ``primary``: the task's primary member (``runner.task_primary``), written into every ensemble
+    row's overrides (so its records say which member gated, drafted or led); default the config's.
+    ``threshold``: ``gac-threshold``'s where the config has no gate (default its own, else 0.5).
     """
     members = tuple(m.name for m in cfg.members)
     want_single = ("single" in names or "auto" in names or any(n in OUTPUT_METHODS for n in names)
                    or form == "likelihood")
     specs = [MethodSpec(f"single:{m}", "engine", (m,)) for m in members] if want_single else []
-    primary = cfg.primary_name
+    pinned = {"primary": primary} if primary is not None else {}
+    primary = primary or cfg.primary_name
     for n in names:
         if n in ("single", "auto"):
             continue
@@ -109,8 +120,8 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
             continue
         if n == "gac-threshold":
             gate = cfg.gate or primary
-            over = {"method": "gac", "gate": gate,
-                    "threshold": cfg.threshold if cfg.threshold is not None else DEFAULT_THRESHOLD}
+            own = cfg.threshold if cfg.gate else threshold
+            over = {"method": "gac", "gate": gate, "threshold": own if own is not None else DEFAULT_THRESHOLD}
             if cfg.params.get("select") is not None:
                 over["params"] = {"select": None}  # the gate is this row's own
         elif n in ADAPTIVE_ROWS:
@@ -119,7 +130,7 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
                     "params": {k: own[k] if own.get(k) is not None else v for k, v in ADAPTIVE_ROWS[n].items()}}
         else:  # the config's params carry over only to its own method (EnsembleConfig.with_overrides)
             over = {"method": n, "gate": None, "threshold": None}
-        specs.append(MethodSpec(n, "engine", members, over))
+        specs.append(MethodSpec(n, "engine", members, over | pinned))
     if form == "likelihood" and len(members) > 1 and "seq-avg" not in [s.name for s in specs]:
         specs.append(MethodSpec("seq-avg", "output", members))  # the issue's sequence-level baseline, always shown
     if len(members) < 2:  # nothing to vote over or average

@@ -213,7 +213,8 @@ def markdown_table(results: dict) -> str:
     tasks = list(results["tasks"])
     forms = ", ".join(f"{t}: {f}" for t, f in results["forms"].items())
     return "\n".join(_main_lines(results, tasks) + _wall_lines(results) + _ci_lines(results, tasks)
-                     + _raw_lines(results, tasks) + _gain_lines(results, tasks) + auto_lines(results)
+                     + _raw_lines(results, tasks) + _gain_lines(results, tasks) + primary_lines(results)
+                     + auto_lines(results)
                      + ["", f"Forms: {forms}."]) + "\n"
 
 
@@ -300,6 +301,19 @@ def _gain_lines(results: dict, tasks: list[str]) -> list[str]:
                        "comparisons (every row that is not a member × every task), p from the exact paired sign-flip "
                        "test (`p`, `p_holm` in results.json); the two average columns are outside the family and "
                        "keep † alone."]
+
+
+def primary_lines(results: dict) -> list[str]:
+    """Each task's primary member (it gates, drafts, leads ``contrast`` and breaks ties) and whence."""
+    chosen = {t: p for t, p in (results.get("primaries") or {}).items() if p.get("from") == "dev"}
+    if not chosen:
+        return []
+    def why(p: dict) -> str:
+        accs = ", ".join(f"{n} {_pct(a)}" for n, a in p["dev_acc"].items())
+        return f"best of the members alone on {p['dev_items']} dev items ({accs})"
+    return ["", "Primary member per task (the gate of `gac-threshold`/`gac-select`, the drafter, the expert of "
+                "`contrast`, the tie-breaker; the config sets none, so the dev items choose it):", "",
+            *[f"* {t}: {p['member']} — {why(p)}" for t, p in chosen.items()]]
 
 
 def auto_lines(results: dict) -> list[str]:

@@ -81,6 +81,8 @@ class EvalSettings:
     dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form: 500 / 200)
     member_dev_limit: int | None = None  # auto: the members alone (default ``eval.auto.MEMBER_DEV_LIMITS`` by form)
     auto_choices: dict[str, dict] = field(default_factory=dict)  # filled by the run: auto's choice per task
+    threshold: float | None = None  # gac-threshold's threshold where the config has no gate (``--threshold``)
+    primaries: dict[str, dict] = field(default_factory=dict)  # filled by the run: each task's primary member
 
 
 def task_form(task, mc: str) -> str:
@@ -212,6 +214,32 @@ def run_task(cfg, base, task, specs: Sequence[MethodSpec],
         append_records(path, rows)
         records = {s.name: records[s.name] for s in table} | {"auto": rows}
     return records
+
+
+def task_primary(cfg, base, task, methods: Sequence[str], settings: EvalSettings) -> str:
+    """The task's primary member (it gates, drafts, leads ``contrast`` and breaks ties): the config's
+    ``primary``, else its highest member ``score`` (``EnsembleConfig.primary_name``), else — with two
+    members or more and a row besides the members alone — the member best on the task's dev items:
+    the members alone on ``auto.dev_counts``' member count (the records ``auto`` ranks them on too;
+    ties: member order). Recorded in ``settings.primaries``."""
+    from tokenfuse.eval import auto
+
+    names = [m.name for m in cfg.members]
+    fixed = cfg.primary is not None or any(m.score is not None for m in cfg.members)
+    if fixed or len(names) < 2 or set(methods) <= {"single"}:
+        settings.primaries[task.name] = {"member": cfg.primary_name, "from": "config"}
+        return cfg.primary_name
+    _, member_limit = auto.dev_counts(task_form(task, settings.mc), settings.dev_limit, settings.member_dev_limit)
+    items = task.dev_subset(member_limit, settings.seed)
+    if not items:
+        raise TokenfuseError(f"task {task.name!r} has no dev items to choose its primary member on: "
+                             "set `primary` (or the members' `score`) in the config, or --primary")
+    ranked = run_rows(cfg, base, task, [MethodSpec(f"single:{n}", "engine", (n,)) for n in names], items,
+                      settings, split="dev")
+    best = auto.best_single(ranked).split(":", 1)[1]
+    acc = {n: sum(bool(r["correct"]) for r in ranked[f"single:{n}"]) / len(items) for n in names}
+    settings.primaries[task.name] = {"member": best, "from": "dev", "dev_items": len(items), "dev_acc": acc}
+    return best
 
 
 def choose_on_dev(cfg, base, task, table: Sequence[MethodSpec], settings: EvalSettings) -> MethodSpec:
@@ -379,14 +407,19 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
     forms: dict[str, str] = {}
     for task in tasks:
         form = task_form(task, settings.mc)
-        specs = plan_methods(cfg, methods, form=form, registered=list(REGISTRY), log=log)
         t0 = time.perf_counter()
-        all_records[task.name] = run_task(cfg, base, task, specs, settings)
+        primary = task_primary(cfg, base, task, methods, settings)
+        tcfg = cfg if primary == cfg.primary_name else cfg.with_overrides(primary=primary, origin=f"{task.name}'s primary")
+        specs = plan_methods(tcfg, methods, form=form, registered=list(REGISTRY), log=log,
+                             primary=primary if settings.primaries[task.name]["from"] == "dev" else None,
+                             threshold=settings.threshold)
+        all_records[task.name] = run_task(tcfg, base, task, specs, settings)
         forms[task.name] = form
         log(f"{task.name} ({form}): {len(next(iter(all_records[task.name].values()), []))} items, "
             f"{time.perf_counter() - t0:.0f} s")
     results = summarise(cfg, settings, all_records, forms, wall_seconds=time.perf_counter() - t_run)
     if settings.auto_choices:
         results["auto"] = dict(settings.auto_choices)
+    results["primaries"] = dict(settings.primaries)
     write_outputs(results, Path(settings.out))
     return results
