@@ -7,7 +7,8 @@ finished item (in the likelihood form the rows share the members' forwards throu
 the same member fed the same ids by two rows computes once; in the generate form each row takes
 the batch's prompts from the members' prefix caches, which the previous row filled) →
 compute the output-level baselines (vote, MBR, sequence-level average) from the members' lines →
-aggregate, with bootstrap 95 % intervals, into ``results.json``, ``results.md`` and ``results.png``.
+with ``mux``/``sc`` (generate form), sample the members' answers and choose among them
+(``tokenfuse.eval.answers``) → aggregate, with bootstrap 95 % intervals, into ``results.json``, ``results.md`` and ``results.png``.
 
 Forms:
 
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.eval import answers
+from tokenfuse.eval.answers import DEFAULT_SAMPLES, DEFAULT_TEMPERATURE
 from tokenfuse.eval.methods import MethodSpec, majority_vote, mbr_select, parse_methods, plan_methods
 from tokenfuse.eval.records import append_records, item_file, keep_if_made_by, read_records
 from tokenfuse.progress import progress_bar
@@ -64,6 +67,8 @@ class EvalSettings:
             500 in the likelihood form, 200 in the generate form, ``eval.auto.dev_counts``).
         member_dev_limit: dev items the members alone are ranked on for it (the same defaults; never
             fewer than ``dev_limit``).
+        samples, sample_temperature: ``mux``/``sc``'s ``k`` and temperature (``tokenfuse.eval.answers``;
+            the samples are seeded from ``seed``).
     """
 
     tasks: Sequence[str] = DEFAULT_TASKS
@@ -78,6 +83,8 @@ class EvalSettings:
     max_new_tokens: dict[str, int] = field(default_factory=dict)
     num_fewshot: int | None = None
     progress: bool = True
+    samples: int = DEFAULT_SAMPLES  # mux / sc: answers each member samples per item for mux (k; sc takes k × M)
+    sample_temperature: float = DEFAULT_TEMPERATURE  # mux / sc: the samples' temperature
     dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form: 500 / 200)
     member_dev_limit: int | None = None  # auto: the members alone (default ``eval.auto.MEMBER_DEV_LIMITS`` by form)
     auto_choices: dict[str, dict] = field(default_factory=dict)  # filled by the run: auto's choice per task
@@ -258,8 +265,13 @@ def run_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict]
     engine = [s for s in specs if s.kind == "engine"]
     run_form_rows = run_likelihood_rows if form == "likelihood" else run_generate_rows
     run_form_rows(cfg, base, task, engine, items, settings, where=where)
+    sampled = run_answer_rows(cfg, base, task, [s for s in specs if s.kind == "answers"], items, settings,
+                              where=where)
     records: dict[str, list[dict]] = {}
     for spec in specs:
+        if spec.kind == "answers":
+            records[spec.name] = sampled[spec.name]
+            continue
         path = item_file(out, task.name, where, spec.name)
         if spec.kind == "output":
             done = read_records(path)
@@ -269,6 +281,24 @@ def run_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict]
         done = read_records(path)
         records[spec.name] = [done[str(it["id"])] for it in items]
     return records
+
+
+def run_answer_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict], settings: EvalSettings, *,
+                    where: str) -> dict[str, list[dict]]:
+    """The answer rows (``mux``, ``sc:<member>``): the members' samples drawn or resumed
+    (``answers.run_samples``), then every row's records from them (``answers.answer_rows``)."""
+    if not specs:
+        return {}
+    k, width = settings.samples, len(cfg.members)
+    need = answers.samples_needed(specs, k, width)
+    singles = {m: build_variant(cfg, base, MethodSpec(f"single:{m}", "engine", (m,))) for m in need}
+    out = Path(settings.out)
+    drawn = answers.run_samples(singles, task, need, items, out=out, where=where, seed=settings.seed,
+                                temperature=settings.sample_temperature, batch_size=settings.batch_size,
+                                max_new_tokens=settings.max_new_tokens.get(task.name) or task.max_new_tokens,
+                                progress=settings.progress)
+    return answers.answer_rows(specs, drawn, items, out=out, task=task.name, where=where, k=k, width=width,
+                               primary=cfg.primary_name)
 
 
 def run_rows_batch_by_batch(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict],
