@@ -249,3 +249,22 @@ def test_each_sequence_samples_with_its_own_seed_whatever_its_batch(tiny_pair):
     assert batch == alone and mixed == alone[2] and len(set(batch)) == 3
     with pytest.raises(ValueError, match="2 sampling options for 3 prompts"):
         ens.generate(["a", "b", "c"], sampling=seeds[:2])
+
+
+def test_auto_takes_mux_and_sc_as_candidates(tiny_pair, data_dir, tmp_path):
+    """``auto`` runs the answer rows on the dev items too (their samples apart, under ``-dev``) and
+    chooses among them with every other row; an answer row is no config to write."""
+    from tokenfuse.config import parse_config
+    from tokenfuse.eval.auto import chosen_config
+
+    members, union = tiny_pair
+    out = tmp_path / "out"
+    settings = EvalSettings(tasks=["triviaqa"], methods=["single", "mux", "sc", "auto"], limit=2, data=str(data_dir),
+                            out=str(out), batch_size=4, num_fewshot=0, max_new_tokens={"triviaqa": 2},
+                            progress=False, samples=1, dev_limit=2)
+    res = run_eval(config_from_models("s,q"), settings, members=members, union=union, log=lambda m: None)
+    assert {"mux", "sc:s", "sc:q"} <= set(res["auto"]["triviaqa"]["dev_acc"])  # beside its gated candidates
+    dev = lines(out / "items" / "triviaqa-generate-dev" / "samples__q.jsonl")
+    assert len(dev) == 2 and all(len(r["outputs"]) == 2 for r in dev.values())  # k × M = 1 × 2
+    cfg = parse_config({"members": [{"name": "s"}, {"name": "q"}]})
+    assert chosen_config(cfg, MethodSpec("mux", "answers", ("s", "q"))) is None
