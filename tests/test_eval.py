@@ -51,7 +51,7 @@ def test_vote_and_mbr_on_packed_records_without_outputs():
     with a KeyError."""
     from types import SimpleNamespace
 
-    from tokenfuse.eval.runner import output_record
+    from tokenfuse.eval.rows import output_record
 
     task, item = SimpleNamespace(name="mmlu"), {"id": "q1"}
     singles = [{"extracted": "B", "correct": False}, {"extracted": "C", "correct": True},

@@ -186,10 +186,14 @@ class Ensemble:
             for s in seqs:
                 self.close(s)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-                 stop: Sequence[str] = (), chat: bool = False, trace: bool = False,
-                 trace_k: int = 5) -> Generation | list[Generation]:
+    def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 64,
+                 sampling: Sampling | Sequence[Sampling] = Sampling(), stop: Sequence[str] = (), chat: bool = False,
+                 trace: bool = False, trace_k: int = 5) -> Generation | list[Generation]:
         """Generate for one prompt (returns a ``Generation``) or a batch (returns a list).
+
+        ``sampling`` is every sequence's, or one per prompt of a batch (e.g. the same prompt several
+        times with its own ``seed`` each: every sequence draws with its own generator, so a sample
+        does not depend on the other sequences of its batch).
 
         With ``trace`` each ``Generation.trace`` lists every step: the chosen piece, its combined
         probability, the combined and each member's ``trace_k`` most likely tokens and how the step
@@ -199,9 +203,11 @@ class Ensemble:
         batch = [prompts] if single else list(prompts)
         before, t0 = self.timer.snapshot(), time.perf_counter()
         opts = TraceOptions(k=trace_k) if trace else None
-        seqs = [self.open(p, chat=chat, sampling=sampling, stop=stop, max_new_tokens=max_new_tokens, index=i,
-                          trace=opts)
-                for i, p in enumerate(batch)]
+        samplings = [sampling] * len(batch) if isinstance(sampling, Sampling) else list(sampling)
+        if len(samplings) != len(batch):
+            raise ValueError(f"generate: {len(samplings)} sampling options for {len(batch)} prompts")
+        seqs = [self.open(p, chat=chat, sampling=sp, stop=stop, max_new_tokens=max_new_tokens, index=i, trace=opts)
+                for i, (p, sp) in enumerate(zip(batch, samplings))]
         try:
             while active := [s for s in seqs if s.finished is None]:
                 self.step(active)

@@ -3,7 +3,8 @@
     from tokenfuse.eval import EvalSettings, run_eval
     results = run_eval(cfg, EvalSettings(tasks=["arc_easy"], methods=["single", "gac", "vote"], limit=50))
 
-See ``runner`` (the flow and the forms), ``methods`` (the rows, vote and MBR), ``records``
+See ``runner`` (the flow and the forms), ``methods`` (the rows, vote and MBR), ``answers`` (``mux``
+and ``sc``, from sampled answers), ``records``
 (resumable per-item JSONL), ``report`` (table, intervals, figure) and ``docs/evaluation.md``.
 """
 

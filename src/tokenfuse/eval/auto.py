@@ -7,7 +7,8 @@ the table and the candidates below; then ``choose`` picks one by its dev accurac
 enters the choice.
 
 Candidates (``candidates``), besides the table's own rows (each member alone, every ensemble row
-asked in ``--methods``, whatever its method, vote / MBR / sequence average):
+asked in ``--methods``, whatever its method, vote / MBR / sequence average, ``mux`` and every
+``sc:<member>``, their samples drawn on the dev items too):
 
 * ``auto:gated@T`` — GaC gated by the best member on dev (the one far ahead, if any) at each threshold
   ``T`` of ``THRESHOLDS``: the gate's piece where it is confident, the ensemble elsewhere; the best
@@ -17,8 +18,8 @@ asked in ``--methods``, whatever its method, vote / MBR / sequence average):
   weight 0), the best member primary; only when it keeps two members or more.
 
 The chosen configuration is also written as a config (``chosen_config``, ``auto/<task>.yaml`` under
-``--out``) that ``tokenfuse generate --config`` runs — not for ``vote``/``mbr``/``seq-avg``, which
-are not one ensemble.
+``--out``) that ``tokenfuse generate --config`` runs — not for ``vote``/``mbr``/``seq-avg``/``mux``/``sc``,
+which are not one ensemble.
 
 Choice (``choose``): the best member on dev (ties: member order) unless the best other candidate
 (ties: candidate order) beats it on dev with its paired bootstrap ``LEVEL`` interval (1,000
@@ -149,10 +150,10 @@ def choose(dev: dict[str, Sequence[dict]], ranked: dict[str, Sequence[dict]] | N
 
 def chosen_config(cfg, spec: MethodSpec):
     """The ``EnsembleConfig`` of a chosen row or candidate (members with weight 0 left out), or
-    ``None`` for an output-level row."""
+    ``None`` for an output-level or answer-level row."""
     from tokenfuse.config import parse_config
 
-    if spec.kind == "output":
+    if spec.kind in ("output", "answers"):
         return None
     if spec.name.startswith("single:"):
         keep = {spec.members[0]}

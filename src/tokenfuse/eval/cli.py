@@ -8,6 +8,7 @@ import time
 
 from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.eval.answers import DEFAULT_SAMPLES, DEFAULT_TEMPERATURE
 from tokenfuse.eval.methods import ALL_METHODS, DEFAULT_THRESHOLD
 from tokenfuse.eval.report import markdown_table
 from tokenfuse.eval.runner import DEFAULT_TASKS, FORMS, EvalSettings, run_eval
@@ -59,6 +60,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--member-dev-limit", type=int, help="auto: dev items the members alone are ranked on "
                                                         "(default 500 likelihood / 200 generate; never fewer "
                                                         "than --dev-limit)")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                   help=f"mux/sc: answers each member samples per item for mux (k, default {DEFAULT_SAMPLES}); each "
+                        "sc:<member> row takes k × members of its member's samples (the same budget)")
+    p.add_argument("--sample-temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"mux/sc: temperature of the samples (default {DEFAULT_TEMPERATURE}; seeded from --seed)")
     p.add_argument("--scoring", choices=("one-forward", "stepwise"),
                    help="likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -71,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--dev-limit", args.dev_limit), ("--member-dev-limit", args.member_dev_limit)):
         if value is not None and value < 1:
             raise TokenfuseError(f"{flag}: expected 1 or more, got {value}")
+    if args.samples < 1:
+        raise TokenfuseError(f"--samples: expected 1 or more, got {args.samples}")
+    if not args.sample_temperature > 0:
+        raise TokenfuseError(f"--sample-temperature: expected more than 0 (0 is greedy: every sample alike), "
+                             f"got {args.sample_temperature}")
     if args.batch_size < 1:
         raise TokenfuseError(f"--batch-size: expected 1 or more, got {args.batch_size}")
     if args.eval_threshold is not None and not 0 <= args.eval_threshold <= 1:
@@ -84,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         limits=_int_map(args.task_limits, "--task-limits"), seed=args.seed, data=args.data, out=args.out,
         mc=args.mc, batch_size=args.batch_size, max_new_tokens=_int_map(args.task_max_new_tokens, "--max-new-tokens"),
         num_fewshot=args.num_fewshot, progress=not args.quiet, dev_limit=args.dev_limit,
-        member_dev_limit=args.member_dev_limit, threshold=args.eval_threshold)
+        member_dev_limit=args.member_dev_limit, threshold=args.eval_threshold, samples=args.samples,
+        sample_temperature=args.sample_temperature)
     t0 = time.perf_counter()
     results = run_eval(cfg, settings)
     print(markdown_table(results))

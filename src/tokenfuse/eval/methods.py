@@ -16,6 +16,8 @@ Method names (``--methods``):
 | ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
 | ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
 | ``seq-avg`` | output | likelihood form only: each option scored by the mean of the members' per-byte log-likelihoods |
+| ``mux`` | answers | generate form only: SLM-MUX, each member samples ``k`` answers, the most self-consistent member's majority answer wins (``tokenfuse.eval.answers``) |
+| ``sc`` | answers | generate form only: each member's own self-consistency over ``k × M`` samples (rows ``sc:<member>``), ``mux``'s budget-matched baseline |
 | ``auto`` | auto | per task, the row or candidate configuration with the best accuracy on dev items only (``tokenfuse.eval.auto``) |
 
 The adaptive rows (``gac-select``, ``gac-conf``, ``gac-prompt``) take the config's value of each of
@@ -28,7 +30,9 @@ the tie-breaker of the votes, the likelihood form's segmentation) is, per task, 
 (``runner.task_primary``): every row that reads it gets it as an override (``plan_methods(primary=...)``).
 
 Output-level methods are computed from the ``single`` rows of the same items, so they cost no
-model time (the ``single`` rows are run for them even when ``single`` is not asked for).
+model time (the ``single`` rows are run for them even when ``single`` is not asked for). Answer-level
+methods are computed from answers each member samples alone (``tokenfuse.eval.answers``), not from
+the greedy ``single`` rows.
 
 Likelihood form: ``vote`` takes the members' chosen options (per-byte normalised, or raw for the
 raw accuracy); ``mbr`` picks among the members' chosen option texts by chrF, which for one word
@@ -51,7 +55,8 @@ ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entr
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512}}
 ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS, "contrast")
 OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
-ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2], "auto")
+ANSWER_METHODS = ("mux", "sc")
+ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2], *ANSWER_METHODS, "auto")
 DEFAULT_THRESHOLD = 0.5
 
 
@@ -61,9 +66,10 @@ class MethodSpec:
 
     Attributes:
         name: the row name (``single:<member>``, ``gac``, ``vote``, ...).
-        kind: ``engine`` (an ``Ensemble`` variant runs), ``output`` (computed from the singles) or
+        kind: ``engine`` (an ``Ensemble`` variant runs), ``output`` (computed from the singles),
+            ``answers`` (computed from the members' sampled answers, ``tokenfuse.eval.answers``) or
             ``auto`` (a row or candidate chosen on dev items, ``tokenfuse.eval.auto``).
-        members: member names the row uses (one for ``single``).
+        members: member names the row uses (one for ``single`` and ``sc:<member>``).
         overrides: options for ``EnsembleConfig.with_overrides`` (``method``, ``gate``, ``threshold``).
     """
 
@@ -93,8 +99,9 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
                  threshold: float | None = None) -> list[MethodSpec]:
     """The rows to run for ``names`` on config ``cfg`` in ``form`` (``generate``/``likelihood``).
 
-    Engine methods whose combiner is not registered are skipped with a message, as is
-    ``gac-threshold`` in the likelihood form; singles come first (output-level rows need them).
+    Engine methods whose combiner is not registered are skipped with a message, as are ``mux`` and
+    ``sc`` in the likelihood form; singles come first (output-level rows need them); ``sc`` is one
+    row ``sc:<member>`` per member.
     ``primary``: the task's primary member (``runner.task_primary``), written into every ensemble
     row's overrides (so its records say which member gated, drafted or led); default the config's.
     ``threshold``: ``gac-threshold``'s where the config has no gate (default its own, else 0.5).
@@ -107,6 +114,14 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
     primary = primary or cfg.primary_name
     for n in names:
         if n in ("single", "auto"):
+            continue
+        if n in ANSWER_METHODS:
+            if form != "generate":
+                log(f"{n}: skipped (it samples answers, so it runs in the generate form; this task runs in the "
+                    f"{form} form: --mc generate runs the multiple-choice tasks as letters)")
+                continue
+            specs += ([MethodSpec("mux", "answers", members)] if n == "mux" else
+                      [MethodSpec(f"sc:{m}", "answers", (m,)) for m in members])
             continue
         if n in OUTPUT_METHODS:
             if n == "seq-avg" and form != "likelihood":
@@ -133,8 +148,8 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
         specs.append(MethodSpec(n, "engine", members, over | pinned))
     if form == "likelihood" and len(members) > 1 and "seq-avg" not in [s.name for s in specs]:
         specs.append(MethodSpec("seq-avg", "output", members))  # the issue's sequence-level baseline, always shown
-    if len(members) < 2:  # nothing to vote over or average
-        specs = [s for s in specs if s.kind == "engine"]
+    if len(members) < 2:  # nothing to vote over, average or multiplex (a member's own self-consistency stays)
+        specs = [s for s in specs if s.kind == "engine" or s.name.startswith("sc:")]
     if "auto" in names:
         specs.append(MethodSpec("auto", "auto", members))
     return specs

@@ -14,7 +14,8 @@ tables between two marker lines, the prose around them left alone::
 * ``large/results.md`` — the run, under ``docs/results/``;
 * ``#main,gain`` — sections of that results.md, by name: ``main`` (accuracy per task, Avg., cost),
   ``wall`` (wall time per task), ``ci`` (bootstrap intervals), ``raw`` (unnormalised likelihood accuracy), ``gain`` (paired gain
-  over the best member), ``auto`` (``auto``'s choice per task). Two or more are joined row by row
+  over the best member), ``answers`` (the answer rows' samples and cost), ``mux`` (``mux`` against the
+  best ``sc`` row), ``auto`` (``auto``'s choice per task). Two or more are joined row by row
   on their first column; a later section's columns are headed ``<section>: <column>``;
 * ``cols=a,b`` (optional) — keep these columns: a column is kept when its header is a name or
   starts with a name and a space or ``(`` (``Avg.`` keeps ``Avg.`` and ``Avg. vs ...``);
@@ -37,7 +38,8 @@ from tokenfuse.eval.report import markdown_table
 
 # A section of report.markdown_table's output is named by the line just above its table.
 _CAPTIONS = {"Wall time per task": "wall", "Bootstrap 95 %": "ci", "Likelihood form, unnormalised": "raw",
-             "Gain over the best single member": "gain", "`auto`'s choice": "auto"}
+             "Gain over the best single member": "gain", "Answer-level rows": "answers",
+             "`mux` against the best `sc`": "mux", "`auto`'s choice": "auto"}
 _BLOCK = re.compile(r"^<!-- table: (?P<run>[\w.-]+)/results\.md#(?P<sections>[\w,]+)(?P<opts>[^>]*?) -->\n"
                     r"(?P<body>.*?)^<!-- end table -->$", re.M | re.S)
 _MISSING = "–"

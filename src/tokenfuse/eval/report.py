@@ -44,6 +44,13 @@ member × each task) has a two-sided ``p`` from the exact paired sign-flip test
 adjustment gives ``p_holm`` (``stats.holm``); ``‡`` where ``p_holm < HOLM_ALPHA`` (0.05). The two
 average columns are outside the family and keep ``†`` alone. A ``results.json`` written before the
 p-values has no ``p``: no ``‡``, and the legend says Holm was not computed for that run.
+
+Answer-level rows (``mux``, ``sc:<member>``, ``tokenfuse.eval.answers``) add a table of their
+samples per item and items/min — of the samples each row uses, its cost, as the rows share the
+members' samples (the task's wall time counts the sampling once) — and, per task, ``mux``'s paired
+gain over the best ``sc`` row on that task's items (``vs_best_sc`` in ``results.json``: the same
+paired bootstrap and sign-flip ``p``, with Holm's correction over these comparisons alone) with a
+verdict: ``mux`` beats the best ``sc`` where the interval lies above 0.
 """
 
 from __future__ import annotations
@@ -69,6 +76,9 @@ def method_summary(records: Sequence[dict], *, form: str) -> dict:
     out = {"n": len(records), "acc": _mean(correct), "ci": [lo, hi], "form": form}
     if form == "likelihood" and records and "correct_raw" in records[0]:
         out["acc_raw"] = _mean([float(bool(r["correct_raw"])) for r in records])
+    if records and "samples" in records[0]:  # an answer row (tokenfuse.eval.answers)
+        out["samples_per_item"] = _mean([r["samples"] for r in records])
+        out["sampling_seconds"] = sum(r.get("sampling_seconds", 0.0) for r in records)
     secs = sum(r.get("seconds", 0.0) for r in records)
     steps = sum(r.get("steps", 0) for r in records)
     if secs > 0:
@@ -85,9 +95,9 @@ def method_summary(records: Sequence[dict], *, form: str) -> dict:
 
 
 def row_order(method: str) -> int:
-    from tokenfuse.eval.methods import ENGINE_METHODS, OUTPUT_METHODS
+    from tokenfuse.eval.methods import ANSWER_METHODS, ENGINE_METHODS, OUTPUT_METHODS
 
-    order = ("single", *ENGINE_METHODS, *OUTPUT_METHODS)
+    order = ("single", *ENGINE_METHODS, *OUTPUT_METHODS, *ANSWER_METHODS)
     return order.index(method.split(":")[0]) if method.split(":")[0] in order else len(order)
 
 
@@ -115,6 +125,8 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
             "ms_per_token": 1000 * sum(c["seconds"] for c in gen) / gen_steps if gen_steps else None,
             "ensembled_share": (sum(c["ensembled_share"] * c["steps"] for c in ens) / ens_steps) if ens_steps else None,
         }
+        if any("samples_per_item" in c for c in cells):
+            overview[m]["samples_per_item"] = _mean([c["samples_per_item"] for c in cells if "samples_per_item" in c])
     singles = [m for m in methods if m.startswith("single:")]
     best = max(singles, key=lambda m: overview[m]["avg"]) if singles else None
     for m in methods:
@@ -136,6 +148,7 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
                 if d == d:
                     tasks[t][m]["vs_best"]["p"] = sign_flip_p(*pair)
     family = holm_family(tasks)
+    mux_family = mux_vs_sc(tasks, all_records)
     for m in methods:
         covered = [t for t in all_records if m in all_records[t]]
         if m.startswith("single:") or len(covered) != len(all_records) or len(task_best) != len(all_records):
@@ -150,10 +163,12 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
     return {"members": [m.name for m in cfg.members], "primary": cfg.primary_name,
             "settings": {"tasks": list(settings.tasks), "methods": parse_methods(settings.methods), "limit": settings.limit,
                          "limits": dict(settings.limits), "seed": settings.seed, "mc": settings.mc,
-                         "batch_size": settings.batch_size, "max_new_tokens": dict(settings.max_new_tokens)},
+                         "batch_size": settings.batch_size, "max_new_tokens": dict(settings.max_new_tokens),
+                         "samples": settings.samples, "sample_temperature": settings.sample_temperature},
             "forms": forms, "tasks": tasks, "overview": overview, "best_member": best,
             "gain_per_task": per_task_gain, "wall_seconds": wall_seconds,
             "holm": {"family": family, "alpha": HOLM_ALPHA, "test": "exact paired sign-flip"},
+            **({"mux_vs_sc": {"family": mux_family, "alpha": HOLM_ALPHA}} if mux_family else {}),
             "task_wall": task_wall(tasks, {t: {"chosen": per["auto"][0].get("chosen")}
                                            for t, per in all_records.items() if per.get("auto")})}
 
@@ -168,15 +183,40 @@ def holm_family(tasks: dict) -> int:
     return len(cells)
 
 
+def mux_vs_sc(tasks: dict, all_records: dict[str, dict[str, list[dict]]]) -> int:
+    """Per task with a ``mux`` and ``sc:`` rows, ``mux``'s paired gain over the best ``sc`` row on the
+    task's items (``tasks.<task>.mux.vs_best_sc``: ``row``, ``gain``, ``ci``, ``p``, and Holm's
+    ``p_holm`` over these comparisons, one per task, a family of their own); returns its size."""
+    cells = []
+    for t, per in tasks.items():
+        sc = [m for m in per if m.startswith("sc:")]
+        if "mux" not in per or not sc:
+            continue
+        best = max(sc, key=lambda m: per[m]["acc"])  # the first of equal accuracies
+        pair = paired_correct(all_records[t]["mux"], all_records[t][best])
+        d, lo, hi = paired_bootstrap(*pair)
+        per["mux"]["vs_best_sc"] = {"row": best, "gain": d, "ci": [lo, hi]}
+        if d == d:
+            per["mux"]["vs_best_sc"]["p"] = sign_flip_p(*pair)
+            cells.append(per["mux"]["vs_best_sc"])
+    for v, adjusted in zip(cells, holm([v["p"] for v in cells])):
+        v["p_holm"], v["family"] = adjusted, len(cells)
+    return len(cells)
+
+
 def task_wall(tasks: dict, auto: dict | None) -> dict:
     """Per task the wall time of its test items: the sum of the rows' ``seconds`` (their batches run
     one after another; output-level rows take none), the ``auto`` row left out where it repeats the
-    records of a row of the table (``auto``'s ``chosen``), and its items and ``items_per_min``."""
+    records of a row of the table (``auto``'s ``chosen``), and its items and ``items_per_min``. The
+    answer rows' ``seconds`` are the cost of the samples each uses, shared between them: the
+    members' sampling time (``sampling_seconds``) is counted once instead."""
     out = {}
     for t, per in tasks.items():
         chosen = ((auto or {}).get(t) or {}).get("chosen")
         rows = [m for m, c in per.items() if c.get("seconds") and not (m == "auto" and chosen in per)]
-        secs = sum(per[m]["seconds"] for m in rows)
+        shared = [m for m in rows if "sampling_seconds" in per[m]]
+        secs = sum(per[m]["seconds"] for m in rows if m not in shared)
+        secs += max((per[m]["sampling_seconds"] for m in shared), default=0.0)
         n = max((c["n"] for c in per.values()), default=0)
         out[t] = {"seconds": secs, "items": n, "rows": len(rows), "items_per_min": n / secs * 60 if secs else None}
     return out
@@ -214,6 +254,7 @@ def markdown_table(results: dict) -> str:
     forms = ", ".join(f"{t}: {f}" for t, f in results["forms"].items())
     return "\n".join(_main_lines(results, tasks) + _wall_lines(results) + _ci_lines(results, tasks)
                      + _raw_lines(results, tasks) + _gain_lines(results, tasks) + primary_lines(results)
+                     + answer_lines(results)
                      + auto_lines(results)
                      + ["", f"Forms: {forms}."]) + "\n"
 
@@ -314,6 +355,32 @@ def primary_lines(results: dict) -> list[str]:
     return ["", "Primary member per task (the gate of `gac-threshold`/`gac-select`, the drafter, the expert of "
                 "`contrast`, the tie-breaker; the config sets none, so the dev items choose it):", "",
             *[f"* {t}: {p['member']} — {why(p)}" for t, p in chosen.items()]]
+
+
+def answer_lines(results: dict) -> list[str]:
+    """The answer rows' samples and cost, and per task whether ``mux`` beats the best ``sc`` row."""
+    ov = results["overview"]
+    rows = [m for m in ov if "samples_per_item" in ov[m]]
+    if not rows:
+        return []
+    out = ["", "Answer-level rows (`mux`, `sc:<member>`; docs/evaluation.md): samples per item and items/min of "
+           "the samples each row uses (their cost; the rows share the members' samples, the wall time above "
+           "counts them once):", "", "| row | samples/item | items/min (cost) |", "|---|---|---|"]
+    for m in rows:
+        ipm = "—" if ov[m]["items_per_min"] is None else f"{ov[m]['items_per_min']:.1f}"
+        out.append(f"| {m} | {ov[m]['samples_per_item']:g} | {ipm} |")
+    cmp = {t: per["mux"]["vs_best_sc"] for t, per in results["tasks"].items() if "vs_best_sc" in per.get("mux", {})}
+    if not cmp:
+        return out
+    out += ["", "`mux` against the best `sc` row of each task (the same number of samples; the best on the task's "
+            "own items, which favours `sc`): gain in points with its paired bootstrap 95 % interval, † = the "
+            "interval excludes 0, ‡ = Holm-adjusted p < 0.05 over these comparisons:", "",
+            "| task | best sc | mux − best sc | mux beats the best sc? |", "|---|---|---|---|"]
+    for t, v in cmp.items():
+        lo, hi = v["ci"]
+        verdict = "yes" if lo > 0 else "no: sc is better" if hi < 0 else "not shown (the interval includes 0)"
+        out.append(f"| {t} | {v['row']} | {_gain_cell(v)} | {verdict} |")
+    return out
 
 
 def auto_lines(results: dict) -> list[str]:

@@ -7,7 +7,8 @@ finished item (in the likelihood form the rows share the members' forwards throu
 the same member fed the same ids by two rows computes once; in the generate form each row takes
 the batch's prompts from the members' prefix caches, which the previous row filled) →
 compute the output-level baselines (vote, MBR, sequence-level average) from the members' lines →
-aggregate, with bootstrap 95 % intervals, into ``results.json``, ``results.md`` and ``results.png``.
+with ``mux``/``sc`` (generate form), sample the members' answers and choose among them
+(``tokenfuse.eval.answers``) → aggregate, with bootstrap 95 % intervals, into ``results.json``, ``results.md`` and ``results.png``.
 
 Forms:
 
@@ -41,10 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenfuse.errors import TokenfuseError
-from tokenfuse.eval.methods import MethodSpec, majority_vote, mbr_select, parse_methods, plan_methods
+from tokenfuse.eval import answers
+from tokenfuse.eval.answers import DEFAULT_SAMPLES, DEFAULT_TEMPERATURE
+from tokenfuse.eval.methods import MethodSpec, parse_methods, plan_methods
 from tokenfuse.eval.records import append_records, item_file, keep_if_made_by, read_records
+from tokenfuse.eval.rows import generate_records, likelihood_records, output_record
 from tokenfuse.progress import progress_bar
-from tokenfuse.tasks import generate_graded, prompt_form
+from tokenfuse.tasks import prompt_form
 
 FORMS = ("likelihood", "generate")
 DEFAULT_TASKS = ("gsm8k", "mmlu", "arc_challenge", "arc_easy", "piqa", "boolq", "triviaqa", "nq_open", "bbh")
@@ -64,6 +68,8 @@ class EvalSettings:
             500 in the likelihood form, 200 in the generate form, ``eval.auto.dev_counts``).
         member_dev_limit: dev items the members alone are ranked on for it (the same defaults; never
             fewer than ``dev_limit``).
+        samples, sample_temperature: ``mux``/``sc``'s ``k`` and temperature (``tokenfuse.eval.answers``;
+            the samples are seeded from ``seed``).
     """
 
     tasks: Sequence[str] = DEFAULT_TASKS
@@ -78,6 +84,8 @@ class EvalSettings:
     max_new_tokens: dict[str, int] = field(default_factory=dict)
     num_fewshot: int | None = None
     progress: bool = True
+    samples: int = DEFAULT_SAMPLES  # mux / sc: answers each member samples per item for mux (k; sc takes k × M)
+    sample_temperature: float = DEFAULT_TEMPERATURE  # mux / sc: the samples' temperature
     dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form: 500 / 200)
     member_dev_limit: int | None = None  # auto: the members alone (default ``eval.auto.MEMBER_DEV_LIMITS`` by form)
     auto_choices: dict[str, dict] = field(default_factory=dict)  # filled by the run: auto's choice per task
@@ -89,97 +97,6 @@ def task_form(task, mc: str) -> str:
     if mc not in FORMS:
         raise TokenfuseError(f"--mc: expected one of {', '.join(FORMS)}, got {mc!r}")
     return mc if task.multiple_choice else "generate"
-
-
-# ---------------------------------------------------------------------------------------- engine rows
-def generate_records(ens, task, items: Sequence[dict], *, chat: bool | str, max_new_tokens: int) -> list[dict]:
-    """Greedy generation for one batch, graded (``tokenfuse.tasks.generate_graded``); one record per item."""
-    t0 = time.perf_counter()
-    graded = generate_graded(ens, task, items, chat=chat, max_new_tokens=max_new_tokens)
-    per_item = (time.perf_counter() - t0) / max(len(items), 1)
-    return [{"id": r.item["id"], "output": r.text, "extracted": r.score.extracted, "correct": bool(r.score.correct),
-             "steps": r.generation.steps, "ensembled": r.generation.ensembled_steps,
-             "skipped": r.generation.skipped_steps, "vetoed": r.generation.vetoed_steps,
-             "finish": r.generation.finish_reason, "chat": chat, "seconds": round(per_item, 4)} for r in graded]
-
-
-def argmax(values: Sequence[float]) -> int:
-    """First index of the largest value (``-inf`` and NaN never win over a finite value)."""
-    best, idx = -math.inf, 0
-    for i, v in enumerate(values):
-        if v == v and v > best:
-            best, idx = v, i
-    return idx
-
-
-def cloze_record(item_id, gold: int, continuations: Sequence[str], logprobs: Sequence[float],
-                 nbytes: Sequence[int], **extra) -> dict:
-    """A likelihood-form record: the option scores and both predictions."""
-    per_byte = [lp / max(b, 1) for lp, b in zip(logprobs, nbytes)]
-    pred, pred_raw = argmax(per_byte), argmax(logprobs)
-    return {"id": item_id, "gold": gold, "pred": pred, "pred_raw": pred_raw, "correct": pred == gold,
-            "correct_raw": pred_raw == gold, "logprobs": [round(x, 5) for x in logprobs],
-            "bytes": list(nbytes), "options": list(continuations), **extra}
-
-
-def likelihood_records(ens, task, items: Sequence[dict], *, memo=None) -> list[dict]:
-    """Every option of every item scored under ``ens`` (raw cloze context); one record per item.
-    ``memo``: a ``RowMemo`` shared with the other rows scoring the same items."""
-    clozes = [task.cloze(it) for it in items]
-    requests = [(c.context, cont) for c in clozes for cont in c.continuations]
-    t0 = time.perf_counter()
-    liks = ens.loglikelihood(requests, memo=memo)
-    per_item = (time.perf_counter() - t0) / max(len(items), 1)
-    out, k = [], 0
-    for it, c in zip(items, clozes):
-        n = len(c.continuations)
-        ls = liks[k:k + n]
-        k += n
-        out.append(cloze_record(it["id"], c.gold, c.continuations, [x.logprob for x in ls], [x.bytes for x in ls],
-                                steps=sum(x.pieces for x in ls), ensembled=sum(x.ensembled for x in ls),
-                                seconds=round(per_item, 4)))
-    return out
-
-
-# ---------------------------------------------------------------------------------------- output rows
-def output_record(spec: MethodSpec, task, item: dict, singles: list[dict], *, primary: int, form: str) -> dict:
-    """A vote / MBR / sequence-average record from the members' records of the same item."""
-    names = list(spec.members)
-    if form == "generate":
-        if spec.name == "vote":
-            k = majority_vote([r.get("extracted") for r in singles], primary=primary)
-        else:
-            stripped = [n for n, r in zip(names, singles) if "output" not in r]
-            if stripped:
-                raise TokenfuseError(
-                    f"mbr: the records of {', '.join(stripped)} on {task.name} item {item['id']} have no 'output' "
-                    f"(removed when they were packed), and MBR compares the members' outputs: delete those "
-                    f"members' records (items/<task>-<form>/single__<member>.jsonl) to recompute them, or leave mbr out")
-            k = mbr_select([r["output"] or "" for r in singles], primary=primary)
-        r = singles[k]
-        return {"id": item["id"], "output": r.get("output"), "extracted": r["extracted"], "correct": r["correct"],
-                "chosen": names[k]}
-    gold, options = singles[0]["gold"], list(task.cloze(item).continuations)  # the task's: packed records drop them
-    if spec.name == "seq-avg":
-        n = len(options)
-        per_byte = [sum(r["logprobs"][j] / max(r["bytes"][j], 1) for r in singles) / len(singles) for j in range(n)]
-        raw = [sum(r["logprobs"][j] for r in singles) / len(singles) for j in range(n)]
-        nb = singles[0]["bytes"]
-        rec = cloze_record(item["id"], gold, options, [p * max(b, 1) for p, b in zip(per_byte, nb)], nb)
-        rec["pred_raw"] = argmax(raw)
-        rec["correct_raw"] = rec["pred_raw"] == gold
-        rec["logprobs"] = [round(x, 5) for x in raw]
-        return rec
-    picks = {}
-    for key in ("pred", "pred_raw"):
-        if spec.name == "vote":
-            k = majority_vote([str(r[key]) for r in singles], primary=primary)
-        else:
-            k = mbr_select([options[r[key]] for r in singles], primary=primary)
-        picks[key] = (singles[k][key], names[k])
-    return {"id": item["id"], "gold": gold, "pred": picks["pred"][0], "pred_raw": picks["pred_raw"][0],
-            "correct": picks["pred"][0] == gold, "correct_raw": picks["pred_raw"][0] == gold,
-            "chosen": picks["pred"][1], "options": options}
 
 
 # ---------------------------------------------------------------------------------------- the run
@@ -286,8 +203,13 @@ def run_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict]
     engine = [s for s in specs if s.kind == "engine"]
     run_form_rows = run_likelihood_rows if form == "likelihood" else run_generate_rows
     run_form_rows(cfg, base, task, engine, items, settings, where=where)
+    sampled = run_answer_rows(cfg, base, task, [s for s in specs if s.kind == "answers"], items, settings,
+                              where=where)
     records: dict[str, list[dict]] = {}
     for spec in specs:
+        if spec.kind == "answers":
+            records[spec.name] = sampled[spec.name]
+            continue
         path = item_file(out, task.name, where, spec.name)
         if spec.kind == "output":
             done = read_records(path)
@@ -297,6 +219,24 @@ def run_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict]
         done = read_records(path)
         records[spec.name] = [done[str(it["id"])] for it in items]
     return records
+
+
+def run_answer_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict], settings: EvalSettings, *,
+                    where: str) -> dict[str, list[dict]]:
+    """The answer rows (``mux``, ``sc:<member>``): the members' samples drawn or resumed
+    (``answers.run_samples``), then every row's records from them (``answers.answer_rows``)."""
+    if not specs:
+        return {}
+    k, width = settings.samples, len(cfg.members)
+    need = answers.samples_needed(specs, k, width)
+    singles = {m: build_variant(cfg, base, MethodSpec(f"single:{m}", "engine", (m,))) for m in need}
+    out = Path(settings.out)
+    drawn = answers.run_samples(singles, task, need, items, out=out, where=where, seed=settings.seed,
+                                temperature=settings.sample_temperature, batch_size=settings.batch_size,
+                                max_new_tokens=settings.max_new_tokens.get(task.name) or task.max_new_tokens,
+                                progress=settings.progress)
+    return answers.answer_rows(specs, drawn, items, out=out, task=task.name, where=where, k=k, width=width,
+                               primary=cfg.primary_name)
 
 
 def run_rows_batch_by_batch(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict],

@@ -6,7 +6,7 @@ Owns the two rules ``tokenfuse select`` and ``tokenfuse eval`` share:
   the raw few-shot form otherwise (``prompt_form="auto"``; ``"chat"``/``"raw"`` force one). An
   ensemble whose members differ gets ``"mixed"`` (``Task.prompt(chat="mixed")``: each member the
   form it would get alone);
-* ``generate_graded``: greedy generation for a batch of items, each output graded by the task.
+* ``generate_graded``: generation (greedy by default) for a batch of items, each output graded by the task.
 """
 
 from __future__ import annotations
@@ -51,12 +51,15 @@ class Graded:
 
 
 def generate_graded(ensemble, task: Task, items: Sequence[Item], *, chat: bool | str,
-                    max_new_tokens: int | None = None) -> list[Graded]:
-    """Greedy generation for ``items`` in one ``ensemble.generate`` call (the task's prompts and stop
-    strings in form ``chat``; ``max_new_tokens`` default: the task's), each output graded by the task."""
+                    max_new_tokens: int | None = None, sampling=None) -> list[Graded]:
+    """Generation for ``items`` in one ``ensemble.generate`` call (the task's prompts and stop strings
+    in form ``chat``; ``max_new_tokens`` default: the task's), each output graded by the task.
+    Greedy unless ``sampling`` (an ``engine.Sampling``, or one per item: an item may be given several
+    times, each with its own seed) says otherwise."""
     from tokenfuse.engine import Sampling
 
     gens = ensemble.generate([task.prompt(it, chat=chat) for it in items],
-                             max_new_tokens=max_new_tokens or task.max_new_tokens, sampling=Sampling(),
+                             max_new_tokens=max_new_tokens or task.max_new_tokens,
+                             sampling=Sampling() if sampling is None else sampling,
                              stop=task.stop(chat=chat), chat=chat)
     return [Graded(it, g, task.score(it, g.text)) for it, g in zip(items, gens)]
