@@ -16,8 +16,10 @@ For a batch of sequences at one step:
 The adaptive rules are strategies (``tokenfuse.engine.strategies``), asked through one narrow
 interface: the one that gates gives step 1's gate member and threshold (thresholded mode, or
 ``select`` with the primary), every one may ``prepare`` the sequences before a forward (PackLLM
-prompt scores), add per-row log weight factors to the combiner's view (prompt weights, confidence)
-and ``revise`` a choice (select's word boundary). This module only orchestrates.
+prompt scores), add per-row log weight factors to the combiner's view (prompt weights, confidence),
+``reshape`` the combined distribution (SAFE's sharpening) and ``revise`` a choice (select's word
+boundary, SAFE's token boundary); with a ``drafting`` strategy (SAFE) a step whose choice is the
+primary's own most likely piece counts as not ensembled. This module only orchestrates.
 
 A traced sequence (``OpenSequence.trace``) also gets a ``StepRecord`` in its ``Decision`` (``trace.py``):
 its group is then combined on agreement-skipped rows too (for the record only) and top-k members
@@ -185,15 +187,33 @@ class Decider:
                              None if len(combined) == len(seqs) else torch.tensor(combined))
             dist = self.distribution(view, members)
             with self.timer.stage("choose"):
+                for st in self.strategies:
+                    dist = st.reshape(dist)
                 chosen = {r: self.choose(dist, j, seqs[r]) for j, r in enumerate(combined) if result[r] is None}
                 revised = set().union(*(st.revise(seqs, members, outs, chosen) for st in self.strategies))
                 for r, e in chosen.items():
                     result[r] = Decision(e, ens, gated=gated, vetoed=r in revised)
-            if traced:  # (untimed: a trace's own cost shows as "other")
-                for j, r in enumerate(combined):
-                    if seqs[r].trace is not None:
-                        result[r] = self._traced(result[r], dist, j, outs, r, seqs[r])
+        if ens and any(st.drafting for st in self.strategies):
+            with self.timer.stage("choose"):
+                own = self.primary_top(seqs, outs)
+                result = [replace(d, ensembled=False, skipped=False) if d.entry == own[r] else d
+                          for r, d in enumerate(result)]
+        if combined and traced:  # (untimed: a trace's own cost shows as "other")
+            for j, r in enumerate(combined):
+                if seqs[r].trace is not None:
+                    result[r] = self._traced(result[r], dist, j, outs, r, seqs[r])
         return result
+
+    def primary_top(self, seqs: list[OpenSequence], outs: dict[int, MemberOutput]) -> list[int]:
+        """Per row the union entry of the primary member's most likely text token (``-1`` where the
+        union cannot hold it); its output is computed (and added to ``outs``) if it is not there."""
+        p = self.primary
+        if p not in outs:
+            outs[p] = self.forward([p], seqs)[p]
+        umap = self.space.union.maps[p]
+        ids, _ = outs[p].top_text(umap)
+        rep = self.space.union.representable
+        return [e if e >= 0 and rep[e] else -1 for e in (int(umap[t]) for t in ids.tolist())]
 
     def distribution(self, view: StepView, members: list[int]) -> Dist:
         """The group's next-piece distribution: a member alone gives its own, several the combiner's."""

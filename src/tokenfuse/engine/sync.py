@@ -93,3 +93,25 @@ def incomplete_tail(data: bytes) -> int:
             need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
             return back if back < need else 0
     return 0
+
+
+def boundary_at_end(codec: ByteCodec, st: SeqState, output: bytes, piece: bytes, *, window: int = 8) -> bool:
+    """Whether the member's own tokenisation of ``output + piece`` has a token boundary where
+    ``output`` ends (re-tokenised from one of its last ``window`` tokens, as ``resync`` cuts it):
+    no token of it straddles that point, so its state there is not a fragment of one of its tokens.
+    ``False`` where the member does not cover ``output`` exactly (a held-back or raw-byte tail)."""
+    if st.covered != len(output) or st.provisional:
+        return False
+    k = max(0, len(st.ids) - window)
+    while k > 0 and 0x80 <= output[st.starts[k]] < 0xC0:  # never start inside a character
+        k -= 1
+    pos = st.starts[k] if k < len(st.ids) else st.covered
+    try:
+        ids = codec.encode_bytes(output[pos:] + piece)
+    except AlignmentError:
+        return False
+    for tid in ids:
+        if pos >= len(output):
+            break
+        pos += len(codec.token_bytes[tid] or b"")
+    return pos == len(output)

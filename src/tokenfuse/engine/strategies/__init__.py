@@ -1,8 +1,9 @@
 """The step decision's strategies (``base.Strategy``), registered in order: thresholded mode
-(``gate``), selective ensembling (``select``), per-prompt weights (``prompt``) and per-step confidence
-weights (``confidence``); a new one plugs in with ``register`` (after them). The order is the order
-of their hooks: gates first, factors added to each member's log weight in this order (prompt, then
-confidence), revisions in turn."""
+(``gate``), selective ensembling (``select``), per-prompt weights (``prompt``), per-step confidence
+weights (``confidence``) and SAFE (``safe``: the primary drafts; sharpening, token boundaries); a
+new one plugs in with ``register`` (after them). The order is the order of their hooks: gates
+first, factors added to each member's log weight in this order (prompt, then confidence),
+reshapes and revisions in turn."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tokenfuse.engine.strategies.base import Strategy
 from tokenfuse.engine.strategies.confidence import Confidence
 from tokenfuse.engine.strategies.gate import Gate
 from tokenfuse.engine.strategies.prompt import PromptWeights
+from tokenfuse.engine.strategies.safe import Safe
 from tokenfuse.engine.strategies.select import Select
 
 STRATEGIES: list[type[Strategy]] = []
@@ -30,7 +32,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-for _builtin in (Gate, Select, PromptWeights, Confidence):
+for _builtin in (Gate, Select, PromptWeights, Confidence, Safe):
     register(_builtin)
 
 

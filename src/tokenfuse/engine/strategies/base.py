@@ -8,6 +8,8 @@ only (each a no-op by default):
   it alone decides the row and no other member runs (at most one strategy gates);
 * ``prepare(seqs)``: before the sequences' first forward (PackLLM scores each prompt: its prefill);
 * ``factors(view, seqs)``: per-row log weight factors for the combiner (``StepView.log_factors``);
+* ``reshape(dist)``: change the combined distribution before the choice (generation only; SAFE's
+  probability sharpening);
 * ``revise(seqs, members, outs, chosen)``: change chosen entries after the choice; returns the rows
   it changed (counted as ``vetoed`` steps).
 
@@ -15,7 +17,8 @@ A strategy declares ``Params`` (its keys in the method's ``params``, checked tog
 combiner's own by ``combiners.validate_params``), ``check(options)`` (its rules against the other
 options, checked once, when the options are validated) and ``wanted(options)`` (whether the options
 ask for it). ``prefills``: its ``prepare`` feeds prompts in calls of its own (scoring cannot share
-rows); ``speculative``: it allows speculative rounds.
+rows); ``speculative``: it allows speculative rounds; ``drafting``: the primary member drafts, so a
+step counts as ensembled only where its choice is not the primary's most likely piece (SAFE).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from pydantic import BaseModel
 
 from tokenfuse.alignment.space import VocabSpace
-from tokenfuse.combiners.base import StepView
+from tokenfuse.combiners.base import Dist, StepView
 from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sequence import OpenSequence
 from tokenfuse.members.base import Member
@@ -43,6 +46,8 @@ class DecisionContext(Protocol):
 
     def forward(self, which: list[int], seqs: list[OpenSequence], *, trace_k: int = 0) -> dict[int, MemberOutput]: ...
 
+    def primary_top(self, seqs: list[OpenSequence], outs: dict[int, MemberOutput]) -> list[int]: ...
+
 
 class Strategy:
     """One adaptive rule of the step decision (see the module docstring)."""
@@ -51,6 +56,7 @@ class Strategy:
     Params: ClassVar[type[BaseModel] | None] = None
     prefills: ClassVar[bool] = False
     speculative: ClassVar[bool] = True
+    drafting: ClassVar[bool] = False
 
     def __init__(self, options: Any) -> None:
         self.options = options
@@ -78,6 +84,10 @@ class Strategy:
     def factors(self, view: StepView, seqs: list[OpenSequence] | None) -> dict[int, torch.Tensor]:
         """Per computed member, a per-row log weight factor ``float64[R]`` (none: ``{}``)."""
         return {}
+
+    def reshape(self, dist: Dist) -> Dist:
+        """The combined distribution the choice is made from (``dist``: the combiner's)."""
+        return dist
 
     def revise(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput],
                chosen: dict[int, int]) -> set[int]:

@@ -68,14 +68,10 @@ class Select(Strategy):
                     split.add(r)
         if not split:
             return set()
-        p = d.primary
-        out = outs[p] if p in outs else d.forward([p], seqs)[p]
-        umap = space.union.maps[p]
-        ids, _ = out.rows(pick).top_text(umap)
+        own = d.primary_top(seqs, outs)
         changed = set()
-        for r, tid in zip(rows, ids.tolist()):
-            e = int(umap[tid])
-            if r in split and e >= 0 and e != chosen[r] and space.union.representable[e]:
-                chosen[r] = e
+        for r in split:
+            if own[r] >= 0 and own[r] != chosen[r]:
+                chosen[r] = own[r]
                 changed.add(r)
         return changed
