@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -26,6 +26,7 @@ class MemberOutput:
 
     logprobs: torch.Tensor | None = None
     topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    _text_tops: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # top_text per map
 
     def rows(self, pick: torch.Tensor | None) -> MemberOutput:
         """The output restricted to rows ``pick`` (all rows for ``None``)."""
@@ -44,7 +45,16 @@ class MemberOutput:
     def top_text(self, umap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each row's most likely *text* id (``umap``: the member's id -> union map, ``-1`` = not
         text) and its log-probability. (numpy: its 1-D argmax is ~20x faster than torch's here.)
-        With top-k output a row whose top-k holds no text id gives its first id (not text)."""
+        With top-k output a row whose top-k holds no text id gives its first id (not text). Computed
+        once per map: a step's agreement skip, its strategies and its trace ask for the same rows."""
+        hit = self._text_tops.get(id(umap))
+        if hit is not None and hit[0] is umap:
+            return hit[1]
+        out = self._top_text(umap)
+        self._text_tops[id(umap)] = (umap, out)
+        return out
+
+    def _top_text(self, umap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.logprobs is not None:
             arr = self.logprobs.numpy()
             ids = arr.argmax(axis=-1)

@@ -37,9 +37,7 @@ def resync(codec: ByteCodec, st: SeqState, output: bytes, *, window: int = 8, ch
         return
     k = max(0, len(st.ids) - window)
     for attempt in range(WIDEN_LIMIT + 1):
-        while k > 0 and 0x80 <= output[st.starts[k]] < 0xC0:  # never start inside a character
-            k -= 1
-        s = st.starts[k] if k < len(st.ids) else st.covered
+        k, s = window_start(st, output, k)
         new_ids, covered, provisional = _encode_window(codec, output, s)
         old = st.ids[k:]
         c = 0
@@ -68,6 +66,14 @@ def resync(codec: ByteCodec, st: SeqState, output: bytes, *, window: int = 8, ch
     st.drop_cache_after(len(st.prompt_ids) + keep)
     if check and codec.decode(st.ids) != output[:covered]:
         raise SyncError(f"ids decode to {codec.decode(st.ids)!r}, expected {output[:covered]!r}")
+
+
+def window_start(st: SeqState, output: bytes, k: int) -> tuple[int, int]:
+    """The re-tokenisation window from the member's token ``k``, moved back so it never starts inside
+    a UTF-8 character: ``(its first token, the output byte it starts at)``."""
+    while k > 0 and 0x80 <= output[st.starts[k]] < 0xC0:
+        k -= 1
+    return k, (st.starts[k] if k < len(st.ids) else st.covered)
 
 
 def _encode_window(codec: ByteCodec, output: bytes, start: int) -> tuple[list[int], int, bool]:
@@ -102,10 +108,7 @@ def boundary_at_end(codec: ByteCodec, st: SeqState, output: bytes, piece: bytes,
     ``False`` where the member does not cover ``output`` exactly (a held-back or raw-byte tail)."""
     if st.covered != len(output) or st.provisional:
         return False
-    k = max(0, len(st.ids) - window)
-    while k > 0 and 0x80 <= output[st.starts[k]] < 0xC0:  # never start inside a character
-        k -= 1
-    pos = st.starts[k] if k < len(st.ids) else st.covered
+    _, pos = window_start(st, output, max(0, len(st.ids) - window))
     try:
         ids = codec.encode_bytes(output[pos:] + piece)
     except AlignmentError:

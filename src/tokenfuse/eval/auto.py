@@ -98,14 +98,15 @@ class Choice:
                 "dev_acc": self.dev_acc, "dev_items": self.n, "member_dev_items": self.member_n}
 
 
-def _accuracy(records: Sequence[dict]) -> float:
+def accuracy(records: Sequence[dict]) -> float:
+    """The share of ``records`` marked correct (0 for none)."""
     return sum(bool(r["correct"]) for r in records) / max(len(records), 1)
 
 
 def best_single(dev: dict[str, Sequence[dict]]) -> str:
     """The ``single:`` row with the highest dev accuracy (the first of equal ones)."""
     singles = [m for m in dev if m.startswith("single:")]
-    return max(singles, key=lambda m: _accuracy(dev[m]))
+    return max(singles, key=lambda m: accuracy(dev[m]))
 
 
 def candidates(cfg, dev: dict[str, Sequence[dict]]) -> list[MethodSpec]:
@@ -119,7 +120,7 @@ def candidates(cfg, dev: dict[str, Sequence[dict]]) -> list[MethodSpec]:
     specs = [MethodSpec(f"auto:gated@{t:g}", "engine", tuple(names),
                         {"method": "gac", "gate": best, "threshold": t, "primary": best, "params": {}})
              for t in THRESHOLDS]
-    measured = [CandidateResult(n, _accuracy(dev[f"single:{n}"]), 0.0, len(dev[f"single:{n}"])) for n in names]
+    measured = [CandidateResult(n, accuracy(dev[f"single:{n}"]), 0.0, len(dev[f"single:{n}"])) for n in names]
     kept = {d.name for d in select_members(measured, max_members=len(names)) if d.taken}
     if len(kept) >= 2:
         weights = {n: (mc.weight if n in kept else 0.0) for n, mc in zip(names, cfg.members)}
@@ -137,7 +138,7 @@ def choose(dev: dict[str, Sequence[dict]], ranked: dict[str, Sequence[dict]] | N
 
     ranked = ranked or {m: r for m, r in dev.items() if m.startswith("single:")}
     single = best_single(ranked)
-    acc = {m: _accuracy(r) for m, r in dev.items()} | {m: _accuracy(r) for m, r in ranked.items()}
+    acc = {m: accuracy(r) for m, r in dev.items()} | {m: accuracy(r) for m, r in ranked.items()}
     others = [m for m in dev if not m.startswith("single:")]
     n, member_n = len(dev[single]), len(ranked[single])
     if not others:

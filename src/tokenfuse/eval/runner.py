@@ -154,7 +154,7 @@ def task_primary(cfg, base, task, methods: Sequence[str], settings: EvalSettings
     ranked = run_rows(cfg, base, task, [MethodSpec(f"single:{n}", "engine", (n,)) for n in names], items,
                       settings, split="dev")
     best = auto.best_single(ranked).split(":", 1)[1]
-    acc = {n: sum(bool(r["correct"]) for r in ranked[f"single:{n}"]) / len(items) for n in names}
+    acc = {n: auto.accuracy(ranked[f"single:{n}"]) for n in names}
     settings.primaries[task.name] = {"member": best, "from": "dev", "dev_items": len(items), "dev_acc": acc}
     return best
 
