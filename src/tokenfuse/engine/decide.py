@@ -18,8 +18,9 @@ interface: the one that gates gives step 1's gate member and threshold (threshol
 ``select`` with the primary), every one may ``prepare`` the sequences before a forward (PackLLM
 prompt scores), add per-row log weight factors to the combiner's view (prompt weights, confidence),
 ``reshape`` the combined distribution (SAFE's sharpening) and ``revise`` a choice (select's word
-boundary, SAFE's token boundary); with a ``drafting`` strategy (SAFE) a step whose choice is the
-primary's own most likely piece counts as not ensembled. This module only orchestrates.
+boundary); one may have generation run in drafted rounds (``rounds``: SAFE; the rounds themselves
+are ``speculative.Speculator``'s, which decides the triggered positions with ``decide_given``).
+This module only orchestrates.
 
 A traced sequence (``OpenSequence.trace``) also gets a ``StepRecord`` in its ``Decision`` (``trace.py``):
 its group is then combined on agreement-skipped rows too (for the record only) and top-k members
@@ -68,6 +69,13 @@ class Decider:
         self.gate, self.threshold = gates[0] if gates else (None, None)
         self.prefills = any(st.prefills for st in self.strategies)  # scoring cannot share member rows
         self.speculative_ok = all(st.speculative for st in self.strategies)
+        drafting = [st for st in self.strategies if st.chunk() is not None]
+        self.rounds: Strategy | None = drafting[0] if drafting else None  # drafted rounds (SAFE)
+
+    def admit(self, s: OpenSequence) -> None:
+        """Every strategy's ``admit`` on a sequence just opened (``ConfigError`` where it cannot run)."""
+        for st in self.strategies:
+            st.admit(s)
 
     # ------------------------------------------------------------------ members
     def forward(self, which: list[int], seqs: list[OpenSequence], *, trace_k: int = 0) -> dict[int, MemberOutput]:
@@ -153,24 +161,31 @@ class Decider:
                 decisions[r] = d
         return decisions
 
-    def decide_given(self, seqs: list[OpenSequence], outs: dict[int, MemberOutput]) -> list[Decision]:
+    def decide_given(self, seqs: list[OpenSequence], outs: dict[int, MemberOutput], *,
+                     keep: Sequence[int | None] | None = None) -> list[Decision]:
         """``decide`` from outputs already computed (``outs``: every member of ``computed()`` and the
-        primary, on every row; each row's states keep the same rows as ``logprobs``), without any
-        forward: the same groups, agreement skip, combination, choice and boundary rule. Untraced
-        sequences only (speculative verification)."""
+        primary, on every row, top-k ones with at least a traced row's k; each row's states keep the
+        same rows as ``logprobs``), without any forward: the same groups, agreement skip,
+        combination, choice and revisions (speculative verification, drafted rounds). ``keep``: per
+        row an entry taken as it is (a drafted piece; ``None``: decide the row), not ensembled,
+        its trace recorded from the same combination."""
         decisions: list[Decision | None] = [None] * len(seqs)
         for rows, members in self.split(outs.get(self.gate), len(seqs)):
             pick = None if len(rows) == len(seqs) else torch.tensor(rows)
             sub = [seqs[r] for r in rows]
             alone = self.gate is not None and members == [self.gate]
-            for r, d in zip(rows, self._decide_group(sub, members, {i: o.rows(pick) for i, o in outs.items()}, alone)):
+            kept = {j: keep[r] for j, r in enumerate(rows) if keep is not None and keep[r] is not None}
+            got = self._decide_group(sub, members, {i: o.rows(pick) for i, o in outs.items()}, alone,
+                                     traced=any(s.trace is not None for s in sub), keep=kept)
+            for r, d in zip(rows, got):
                 decisions[r] = d
         return decisions
 
     def _decide_group(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput],
-                      gated: bool, *, traced: bool = False) -> list[Decision]:
+                      gated: bool, *, traced: bool = False, keep: dict[int, int] | None = None) -> list[Decision]:
         """Decide every row of one group. With ``traced`` (some row is traced) the combination also
-        covers agreement-skipped rows, for their trace only (their choice stays the agreed entry)."""
+        covers agreement-skipped rows, for their trace only (their choice stays the agreed entry);
+        rows in ``keep`` (row -> entry) take that entry, not ensembled."""
         ens = len(members) > 1
         result: list[Decision | None] = [None] * len(seqs)
         todo = list(range(len(seqs)))
@@ -193,11 +208,8 @@ class Decider:
                 revised = set().union(*(st.revise(seqs, members, outs, chosen) for st in self.strategies))
                 for r, e in chosen.items():
                     result[r] = Decision(e, ens, gated=gated, vetoed=r in revised)
-        if ens and any(st.drafting for st in self.strategies):
-            with self.timer.stage("choose"):
-                own = self.primary_top(seqs, outs)
-                result = [replace(d, ensembled=False, skipped=False) if d.entry == own[r] else d
-                          for r, d in enumerate(result)]
+        for r, e in (keep or {}).items():
+            result[r] = Decision(e, False)
         if combined and traced:  # (untimed: a trace's own cost shows as "other")
             for j, r in enumerate(combined):
                 if seqs[r].trace is not None:
@@ -230,8 +242,10 @@ class Decider:
     def _skip_enabled(self, seqs: list[OpenSequence], members: list[int]) -> bool:
         greedy = all(s.sampling.greedy for s in seqs)
         if self.agreement_skip is None:
-            # exact for greedy decoding; a member alone (gated rows) agrees with itself
-            return greedy and (self.combiner.exact_agreement or len(members) == 1)
+            # exact for greedy decoding; a member alone (gated rows) agrees with itself; not where a
+            # strategy reshapes the distribution (SAFE's sharpening can move the argmax)
+            exact = all(st.exact_agreement for st in self.strategies)
+            return greedy and exact and (self.combiner.exact_agreement or len(members) == 1)
         return self.agreement_skip
 
     def agreement(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput]) -> list[int]:

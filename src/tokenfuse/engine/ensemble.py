@@ -93,7 +93,8 @@ class Ensemble:
         self.decider = Decider(self.members, self.space, self.combiner, self.pool, self.timer, options,
                                primary=self.primary)
         spec = options.speculative
-        self.speculator = Speculator(self.decider, spec) if spec is not None else None
+        rounds = self.decider.rounds is not None  # a strategy drafting in rounds (SAFE) runs on the speculator
+        self.speculator = Speculator(self.decider, spec) if spec is not None or rounds else None
         _open.add(self)
 
     @classmethod
@@ -126,8 +127,8 @@ class Ensemble:
             "method": o.method, "params": dict(o.params), "primary": self.members[self.primary].name,
             "agreement_skip": o.agreement_skip, "gate": o.gate, "threshold": o.threshold, "window": o.window,
             "scoring": o.scoring, "parallel": o.parallel,
-            "speculative": ({"draft": self.members[self.speculator.draft].name, "k": o.speculative.k,
-                             "adapt": o.speculative.adapt} if self.speculator is not None else None),
+            "speculative": ({"draft": self.members[self.speculator.draft].name, "k": self.speculator.k,
+                             "adapt": self.speculator.adapt} if o.speculative is not None else None),
         }
 
     @property
@@ -148,9 +149,15 @@ class Ensemble:
         gen = None
         if not sampling.greedy:
             gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
-        return OpenSequence(index, states, self.space, self.options.window, sampling, [s.encode("utf-8") for s in stop if s],
-                        max_new_tokens, gen, finished="length" if max_new_tokens <= 0 else None,
-                        trace=Trace(trace) if trace is not None else None)
+        seq = OpenSequence(index, states, self.space, self.options.window, sampling, [s.encode("utf-8") for s in stop if s],
+                           max_new_tokens, gen, finished="length" if max_new_tokens <= 0 else None,
+                           trace=Trace(trace) if trace is not None else None)
+        try:
+            self.decider.admit(seq)
+        except ConfigError:
+            self.close(seq)
+            raise
+        return seq
 
     def step(self, active: list[OpenSequence]) -> list[StepEvent]:
         """One decoding step for every sequence in ``active`` (all unfinished): one event per
@@ -206,9 +213,11 @@ class Ensemble:
         samplings = [sampling] * len(batch) if isinstance(sampling, Sampling) else list(sampling)
         if len(samplings) != len(batch):
             raise ValueError(f"generate: {len(samplings)} sampling options for {len(batch)} prompts")
-        seqs = [self.open(p, chat=chat, sampling=sp, stop=stop, max_new_tokens=max_new_tokens, index=i, trace=opts)
-                for i, (p, sp) in enumerate(zip(batch, samplings))]
+        seqs: list[OpenSequence] = []
         try:
+            for i, (p, sp) in enumerate(zip(batch, samplings)):
+                seqs.append(self.open(p, chat=chat, sampling=sp, stop=stop, max_new_tokens=max_new_tokens, index=i,
+                                      trace=opts))
             while active := [s for s in seqs if s.finished is None]:
                 self.step(active)
             timings = self.timer.since(before, time.perf_counter() - t0)

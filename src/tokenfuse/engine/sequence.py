@@ -28,14 +28,13 @@ class Decision:
 
     Attributes:
         entry: the chosen union entry (``END`` = 0, else a piece of bytes).
-        ensembled: more than one member was computed for the step (SAFE, a ``drafting`` strategy:
-            and the chosen piece is not the primary member's most likely one).
+        ensembled: more than one member was computed for the step (in drafted rounds, SAFE: the
+            strategy triggered the ensemble's decision here).
         skipped: ensembled, but every computed member ranked ``entry`` first, so alignment and
             combination were skipped (agreement skip).
         gated: thresholded mode: the gate member alone decided (its top probability was above the
             threshold).
-        vetoed: a strategy revised the combination's choice (selective ensembling's boundary rule,
-            SAFE's token boundary).
+        vetoed: a strategy revised the combination's choice (selective ensembling's boundary rule).
         trace: what the step looked like, for a traced sequence only (``None`` otherwise).
     """
 
@@ -68,7 +67,7 @@ class Generation:
         output: the exact output bytes.
         steps: chosen pieces (END not counted).
         ensembled_steps: steps where more than one member was computed (not the gate alone; with
-            ``params.safe``: steps whose piece is not the primary member's draft).
+            ``params.safe``: the positions SAFE triggered, the ensemble deciding them).
         skipped_steps: ensembled steps decided by agreement skip (every computed member's most
             likely piece was the same).
         vetoed_steps: ensembled steps where selective ensembling's boundary rule took the primary's

@@ -26,13 +26,28 @@ the same distributions: greedy output is identical wherever a member's numbers d
 its ids are cut into forward calls (transformers, to float rounding). On llama.cpp they do (a
 one-position call takes other kernels than a chunk: docs/evaluation.md, "One-forward scoring"), so
 a near-tie can go the other way; docs/serving.md gives what was measured. Sampling, traced
-sequences, PackLLM prompt weights and members that run elsewhere are decoded plainly.
+sequences, PackLLM prompt weights and members that run elsewhere are decoded plainly (drafted
+rounds, below, refuse what they cannot run).
 
 ``k`` adapts to what is accepted (``adapt``): the next round drafts one more piece than were
 accepted in this one (at least one, at most ``k``).
+
+**Drafted rounds** (a strategy with a ``chunk``, SAFE: ``strategies.base``, ``strategies.safe``)
+run on the same machinery with another step 3: the drafter is the primary member, it drafts
+``chunk()`` pieces (no adaptation), and position by position the strategy's ``trigger`` says
+whether the ensemble decides there. Where it does not, the drafted piece is taken (not ensembled);
+at the first position where it does, the ensemble's decision (``decide_given``) is taken and the
+round ends, whatever was chosen. A chunk without a trigger is taken whole (no extra decided
+position after it); a draft cut short (END, a piece the union cannot hold, a context's end) has the
+ensemble decide the position it stopped at. Traced sequences run these rounds too: every position
+is combined for its record (``decide_given(keep=...)``) and the output is the untraced one.
+Sequences that cannot run them are refused when opened (``Strategy.admit``: sampling) or when the
+ensemble is built (members elsewhere).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -41,7 +56,7 @@ from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import positions
 from tokenfuse.engine.options import SpeculativeOptions
 from tokenfuse.engine.pool import MemberOutput
-from tokenfuse.engine.sequence import OpenSequence, StepEvent
+from tokenfuse.engine.sequence import Decision, OpenSequence, StepEvent
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member
 
@@ -61,50 +76,69 @@ class Speculator:
     ``draft`` the drafter (member index; ``options.draft`` or ``default_drafter``), up to
     ``options.k`` pieces per round."""
 
-    def __init__(self, decider: Decider, options: SpeculativeOptions) -> None:
+    def __init__(self, decider: Decider, options: SpeculativeOptions | None) -> None:
         self.decider = decider
-        self.options = options
+        self.options = options = options if options is not None else SpeculativeOptions()
         self.members = decider.members
+        self.rounds = decider.rounds  # a strategy drafting in rounds (SAFE), else None
         names = [m.name for m in self.members]
-        self.draft = default_drafter(self.members) if options.draft is None else names.index(options.draft)
+        if self.rounds is not None:
+            self.draft = decider.primary  # its own checks name the fields (``Strategy.bind``)
+        else:
+            self.draft = default_drafter(self.members) if options.draft is None else names.index(options.draft)
         if not self.members[self.draft].in_process:
             raise ConfigError(f"speculative.draft: {options.draft!r} does not run in this process; choose a local member")
         self.check = sorted(set(decider.computed()) | {decider.primary})  # every member a decision may read
 
+    @property
+    def k(self) -> int:
+        """Pieces drafted per round (at most, with ``adapt``)."""
+        return self.rounds.chunk() if self.rounds is not None else self.options.k
+
+    @property
+    def adapt(self) -> bool:
+        return self.rounds is None and self.options.adapt
+
     def eligible(self, s: OpenSequence) -> bool:
         """Greedy, untraced, strategies that allow it (not PackLLM weights), every member that
-        decides in this process."""
-        return (s.sampling.greedy and s.trace is None and self.decider.speculative_ok
-                and all(self.members[i].in_process for i in self.check))
+        decides in this process; with drafted rounds every sequence (``Strategy.admit`` refused the others)."""
+        return self.rounds is not None or (s.sampling.greedy and s.trace is None and self.decider.speculative_ok
+                                           and all(self.members[i].in_process for i in self.check))
 
     def round(self, s: OpenSequence) -> list[StepEvent]:
         """One round for ``s`` (see the module docstring): the pieces it emits, in order."""
         d = self.draft
-        room = s.max_new_tokens - s.steps - 1  # the last piece before the limit is never drafted
+        # the last piece before the limit is never drafted, but a chunk runs up to it (no bonus position)
+        room = s.max_new_tokens - s.steps - (1 if self.rounds is None else 0)
+        k = min(s.draft_k or self.k, room)
         saved = s.snapshot()
-        drafts, before, own = self._draft(s, min(s.draft_k or self.options.k, room))
+        drafts, before, own = self._draft(s, k, last=self.rounds is None)
         with self.decider.timer.stage("forward"):
             others = [i for i in self.check if i != d]
             rows = self.decider.pool.run(others, lambda i: positions(self.members[i], s.states[i], before[i]))
         rows[d] = own
         cached = [st.cached_ids() for st in s.states]  # what each cache holds now
         s.restore(saved)  # back to before the draft
-        events, accepted = self._decide(s, drafts, rows)  # no forward: the caches are untouched
+        if self.rounds is None:
+            events, accepted = self._decide(s, drafts, rows)  # no forward: the caches are untouched
+        else:
+            events, accepted = self._examine(s, drafts, rows, cut=len(drafts) < k)
         for st, ids in zip(s.states, cached):  # a cache keeps every position the sequence still holds
             st.reuse_cache(ids)
-        s.record_round(len(drafts), accepted, max(1, min(self.options.k, accepted + 1)) if self.options.adapt else None)
+        s.record_round(len(drafts), accepted, max(1, min(self.k, accepted + 1)) if self.adapt else None)
         return events
 
-    def _draft(self, s: OpenSequence, k: int) -> tuple[list[int], dict[int, list[list[int]]], list[torch.Tensor]]:
-        """The drafter's pieces (up to ``k``), every checked member's ids before each of them and
-        after the last (``before[i]``), and the drafter's own rows there."""
+    def _draft(self, s: OpenSequence, k: int, *, last: bool = True
+               ) -> tuple[list[int], dict[int, list[list[int]]], list[torch.Tensor]]:
+        """The drafter's pieces (up to ``k``), every checked member's ids before each of them and,
+        with ``last`` or a draft cut short, after the last (``before[i]``), and the drafter's own rows there."""
         d = self.draft
         space = self.decider.space
         umap, rep = space.union.maps[d], space.union.representable
         before: dict[int, list[list[int]]] = {i: [] for i in self.check}
         drafts: list[int] = []
         own: list[torch.Tensor] = []
-        while True:
+        while last or len(drafts) < k:
             for i in self.check:
                 before[i].append(s.states[i].all_ids())
             with self.decider.timer.stage("forward"):  # the drafter alone, on all the cores
@@ -127,20 +161,56 @@ class Speculator:
         return all(m.context_length is None or st.length + 2 * (nbytes + s.window) < m.context_length - 1
                    for m, st in zip(self.members, s.states))
 
+    def _outs(self, s: OpenSequence, rows: dict[int, list[torch.Tensor]], j: int) -> dict[int, MemberOutput]:
+        """The checked members' outputs at drafted position ``j`` (``s`` is there), as a decision
+        reads them; every state keeps its row as ``logprobs`` (ties, groups)."""
+        topk = self.decider.combiner.k if self.decider.combiner.needs == "topk" else 0
+        if topk and s.trace is not None:
+            topk = max(topk, s.trace.options.k)
+        outs = {}
+        for i in self.check:
+            lp = rows[i][j]
+            st = s.states[i]
+            st.logprobs, st.logprobs_len = lp, st.length
+            outs[i] = (MemberOutput(topk=torch.topk(lp[None], min(topk, lp.shape[-1]), dim=-1)) if topk
+                       else MemberOutput(logprobs=lp[None]))
+        return outs
+
+    def _examine(self, s: OpenSequence, drafts: list[int], rows: dict[int, list[torch.Tensor]], *,
+                 cut: bool) -> tuple[list[StepEvent], int]:
+        """Drafted rounds' step 3 (module docstring): the drafted pieces up to the first position the
+        strategy triggers at, that one decided by the ensemble (``cut``: the draft stopped short, the
+        position after it is decided too); the events and how many drafted pieces were taken."""
+        events: list[StepEvent] = []
+        accepted = 0
+        for j in range(len(drafts) + cut):
+            outs = self._outs(s, rows, j)
+            draft = drafts[j] if j < len(drafts) else None
+            fire = draft is None or self.rounds.trigger(s, drafts[j:], {i: rows[i][j] for i in self.check})
+            if fire:
+                (decision,) = self.decider.decide_given([s], outs)
+                decision = replace(decision, ensembled=True,
+                                   trace=replace(decision.trace, ensembled=True) if decision.trace else None)
+            elif s.trace is not None:  # combined for the record only
+                (decision,) = self.decider.decide_given([s], outs, keep=[draft])
+            else:
+                decision = Decision(draft, False)
+            with self.decider.timer.stage("resync"):
+                events.append(s.apply(decision))
+            accepted += decision.entry == draft
+            if fire or s.finished is not None:
+                break
+        for i in self.check:
+            s.states[i].logprobs = None  # rows of positions the sequence may no longer hold
+        return events, accepted
+
     def _decide(self, s: OpenSequence, drafts: list[int], rows: dict[int, list[torch.Tensor]]) -> tuple[list[StepEvent], int]:
         """Decide and apply position by position while the choice is the drafted piece; the events
         and how many drafted pieces were accepted."""
-        topk = self.decider.combiner.k if self.decider.combiner.needs == "topk" else 0
         events: list[StepEvent] = []
         accepted = 0
         for j in range(len(drafts) + 1):
-            outs = {}
-            for i in self.check:
-                lp = rows[i][j]
-                st = s.states[i]
-                st.logprobs, st.logprobs_len = lp, st.length  # what the decision reads (ties, groups)
-                outs[i] = (MemberOutput(topk=torch.topk(lp[None], min(topk, lp.shape[-1]), dim=-1)) if topk
-                           else MemberOutput(logprobs=lp[None]))
+            outs = self._outs(s, rows, j)
             (decision,) = self.decider.decide_given([s], outs)
             with self.decider.timer.stage("resync"):
                 events.append(s.apply(decision))

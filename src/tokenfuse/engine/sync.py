@@ -103,18 +103,25 @@ def incomplete_tail(data: bytes) -> int:
 
 def boundary_at_end(codec: ByteCodec, st: SeqState, output: bytes, piece: bytes, *, window: int = 8) -> bool:
     """Whether the member's own tokenisation of ``output + piece`` has a token boundary where
-    ``output`` ends (re-tokenised from one of its last ``window`` tokens, as ``resync`` cuts it):
-    no token of it straddles that point, so its state there is not a fragment of one of its tokens.
-    ``False`` where the member does not cover ``output`` exactly (a held-back or raw-byte tail)."""
+    ``output`` ends (``token_at_end`` is not ``None``): no token of it straddles that point, so its
+    state there is not a fragment of one of its tokens."""
+    return token_at_end(codec, st, output, piece, window=window) is not None
+
+
+def token_at_end(codec: ByteCodec, st: SeqState, output: bytes, piece: bytes, *, window: int = 8) -> int | None:
+    """In the member's own tokenisation of ``output + piece`` (re-tokenised from one of its last
+    ``window`` tokens, as ``resync`` cuts it): the id of the token that starts where ``output`` ends
+    (``-1`` where ``piece`` is empty), or ``None`` where a token straddles that point. ``None`` also
+    where the member does not cover ``output`` exactly (a held-back or raw-byte tail)."""
     if st.covered != len(output) or st.provisional:
-        return False
+        return None
     _, pos = window_start(st, output, max(0, len(st.ids) - window))
     try:
         ids = codec.encode_bytes(output[pos:] + piece)
     except AlignmentError:
-        return False
+        return None
     for tid in ids:
         if pos >= len(output):
-            break
+            return tid if pos == len(output) else None
         pos += len(codec.token_bytes[tid] or b"")
-    return pos == len(output)
+    return -1 if pos == len(output) else None

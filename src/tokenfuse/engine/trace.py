@@ -3,7 +3,9 @@
 Per step: the chosen piece (its text and exact bytes), the probability the combined distribution
 gave it, that distribution's most likely pieces, each member's own top-k tokens and whether it
 holds the chosen piece as one token, and how the step was decided (gated / ensembled / agreement
-skip; ``speculative`` is always false: traced sequences are decoded plainly).
+skip; ``speculative`` is always false: traced sequences are decoded plainly, except in SAFE's
+drafted rounds, where every position is combined for its record and ``ensembled`` says whether SAFE
+triggered there).
 
 Zero cost when off: a sequence opened without ``trace`` has ``OpenSequence.trace is None`` and the
 decider computes nothing extra for it. When on, a step additionally combines the members even

@@ -12,7 +12,7 @@ Method names (``--methods``):
 | ``gac-select`` | engine | GaC with selective ensembling (``params.select``, default 0.5; SAFE-style) |
 | ``gac-conf`` | engine | GaC with per-step confidence weights (``params.confidence``, default ``entropy``) |
 | ``gac-prompt`` | engine | GaC with PackLLM prompt weights (``prompt_weights`` τ 0.1, ``prompt_bytes`` 512) |
-| ``safe`` | engine | SAFE: GaC with ``params.safe`` (sharpening ``safe_sharpen`` 0.5), the primary member drafting (``speculative.draft``) |
+| ``safe`` | engine | GaC + SAFE (SAFE's Table 2): ``params.safe`` (the paper's defaults: chunks of 5, sharpening), the primary member drafting and gating at 0.5 |
 | ``contrast`` | engine | contrastive decoding across tokenizers: the primary member the expert, the others amateurs (``alpha`` 0.1, ``beta`` 0.5) |
 | ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
 | ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
@@ -23,8 +23,9 @@ Method names (``--methods``):
 
 The adaptive rows (``gac-select``, ``gac-conf``, ``gac-prompt``, ``safe``) take the config's value of each of
 their parameters when its method is ``gac`` and it sets one, else the default in ``ADAPTIVE_ROWS``; they are
-not in the default ``--methods``. ``safe`` drafts with the primary member (speculative decoding, the
-config's ``k``/``adapt`` if it sets them) and drops the config's ``select`` (both decide by the primary).
+not in the default ``--methods``. ``safe`` drafts with the primary member, which is also its gate at
+``threshold`` 0.5 (GaC in the paper ensembles only where the main model is below 0.5); it drops the
+config's ``select`` (both decide by the primary) and ``speculative`` (SAFE's rounds are its own).
 
 The primary member (the gate of ``gac-threshold`` and ``gac-select``, the expert of ``contrast``,
 the tie-breaker of the votes, the likelihood form's segmentation) is, per task, the config's
@@ -55,7 +56,7 @@ from tokenfuse.errors import TokenfuseError
 # adaptive GaC rows: the parameters each sets and their defaults (engine.strategies' Params)
 ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entropy"},
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512},
-                 "safe": {"safe": True, "safe_sharpen": 0.5}}
+                 "safe": {"safe": True}}
 ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS, "contrast")
 OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
 ANSWER_METHODS = ("mux", "sc")
@@ -146,9 +147,8 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
             own = cfg.params if cfg.method == "gac" else {}
             over = {"method": "gac", "gate": None, "threshold": None,
                     "params": {k: own[k] if own.get(k) is not None else v for k, v in ADAPTIVE_ROWS[n].items()}}
-            if n == "safe":  # the primary drafts; select would decide by it too
-                spec = cfg.speculative.model_dump() if cfg.speculative is not None else {}
-                over.update(primary=primary, speculative={**spec, "draft": primary})
+            if n == "safe":  # GaC + SAFE: the primary drafts and gates; select would decide by it too
+                over.update(primary=primary, gate=primary, threshold=DEFAULT_THRESHOLD, speculative=None)
                 if cfg.params.get("select") is not None:
                     over["params"]["select"] = None
         else:  # the config's params carry over only to its own method (EnsembleConfig.with_overrides)

@@ -1,6 +1,7 @@
 """The step decision's strategies (``base.Strategy``), registered in order: thresholded mode
 (``gate``), selective ensembling (``select``), per-prompt weights (``prompt``), per-step confidence
-weights (``confidence``) and SAFE (``safe``: the primary drafts; sharpening, token boundaries); a
+weights (``confidence``) and SAFE (``safe``: drafted rounds, the ensemble triggered at clean
+positions without consensus; sharpening); a
 new one plugs in with ``register`` (after them). The order is the order of their hooks: gates
 first, factors added to each member's log weight in this order (prompt, then confidence),
 reshapes and revisions in turn."""

@@ -11,14 +11,24 @@ only (each a no-op by default):
 * ``reshape(dist)``: change the combined distribution before the choice (generation only; SAFE's
   probability sharpening);
 * ``revise(seqs, members, outs, chosen)``: change chosen entries after the choice; returns the rows
-  it changed (counted as ``vetoed`` steps).
+  it changed (counted as ``vetoed`` steps);
+* ``admit(s)``: when a sequence is opened, raise ``ConfigError`` where it cannot run (SAFE: sampling).
+
+Drafted rounds (SAFE): a strategy whose ``chunk()`` is a number has generation run in rounds
+(``tokenfuse.engine.speculative.Speculator``): the primary member drafts that many pieces, the
+other members' rows at every drafted position come from one chunked forward, and the positions are
+examined in order; ``trigger(s, draft, rows)`` says whether the ensemble decides the first of
+``draft`` (the round's drafted entries from this position on) — the decision is then the step's
+own (``Decider.decide_given``) and ends the round — or the drafted piece is taken as it is (not
+ensembled). At most one strategy drafts.
 
 A strategy declares ``Params`` (its keys in the method's ``params``, checked together with the
 combiner's own by ``combiners.validate_params``), ``check(options)`` (its rules against the other
 options, checked once, when the options are validated) and ``wanted(options)`` (whether the options
 ask for it). ``prefills``: its ``prepare`` feeds prompts in calls of its own (scoring cannot share
-rows); ``speculative``: it allows speculative rounds; ``drafting``: the primary member drafts, so a
-step counts as ensembled only where its choice is not the primary's most likely piece (SAFE).
+rows); ``speculative``: it allows speculative and drafted rounds; ``exact_agreement``: the
+agreement skip stays exact under its ``reshape`` (SAFE's sharpening: it does not, so the skip is off
+unless set).
 """
 
 from __future__ import annotations
@@ -43,6 +53,10 @@ class DecisionContext(Protocol):
     primary: int
     pool: MemberPool
     timer: Any  # ``StageTimer``: ``timer.stage(name)`` is a context manager
+    strategies: list[Strategy]
+    gate: int | None
+
+    def computed(self) -> list[int]: ...
 
     def forward(self, which: list[int], seqs: list[OpenSequence], *, trace_k: int = 0) -> dict[int, MemberOutput]: ...
 
@@ -56,7 +70,7 @@ class Strategy:
     Params: ClassVar[type[BaseModel] | None] = None
     prefills: ClassVar[bool] = False
     speculative: ClassVar[bool] = True
-    drafting: ClassVar[bool] = False
+    exact_agreement: bool = True
 
     def __init__(self, options: Any) -> None:
         self.options = options
@@ -93,6 +107,19 @@ class Strategy:
                chosen: dict[int, int]) -> set[int]:
         """Change ``chosen`` (row -> union entry) in place; the rows changed."""
         return set()
+
+    def admit(self, s: OpenSequence) -> None:
+        """Raise ``ConfigError`` (naming the field) where ``s`` (just opened) cannot run under this strategy."""
+
+    def chunk(self) -> int | None:
+        """Pieces the primary drafts per round (``None``: no drafted rounds; module docstring)."""
+        return None
+
+    def trigger(self, s: OpenSequence, draft: list[int], rows: dict[int, torch.Tensor]) -> bool:
+        """In a drafted round, with ``s`` at a drafted position: whether the ensemble decides it.
+        ``draft``: the round's drafted union entries from this position on; ``rows``: every member
+        that may decide (``computed()`` and the primary), its log-probabilities ``float32[V]`` here."""
+        return True
 
 
 def _own(model: type[BaseModel], params: dict[str, Any]) -> dict[str, Any]:

@@ -1,74 +1,84 @@
-"""SAFE (Stable And Fast LLM Ensembling; Yun et al., arXiv 2510.15346, "When to Ensemble"): the
-primary member drafts, the others verify, and the ensemble decides only where it is both needed and
-safe.
+"""SAFE (Stable And Fast LLM Ensembling; Yun et al., "When to Ensemble", arXiv 2510.15346v2, Sec. 3,
+Algorithm 1): the primary member drafts, the others verify, and the ensemble decides only at the
+first drafted position that is both safe and needed.
 
-*Rule*, per step (``safe: true``), with ``d`` the primary member's most likely piece (its draft):
+*Rounds* (``safe: true``; ``chunk``/``trigger``, run by ``engine.speculative.Speculator``): the
+primary member (the drafter) greedily drafts ``safe_n`` pieces; the other computed members (the
+verifiers) get their rows at every drafted position in one chunked forward. Positions ``j`` are
+examined in order, the rest of the chunk ``r_j`` (the drafted bytes from ``j`` on) as lookahead,
+with ``o`` the output before ``j``:
 
-1. **Consensus.** The members' combination (the method's own, GaC's average over the union) is
-   formed and, where it is overly smooth, sharpened (3.). Where its choice is ``d`` the members
-   agree with the draft: ``d`` is taken and the step is *not* ensembled. (Agreement skip, where
-   every member ranks ``d`` first, is the same case reached without combining.)
-2. **Clean boundary** (the paper's OOV-like tokens). Where the combination chooses another piece,
-   it is taken only if the position is a token boundary for every computed member and the
-   primary: each one's
-   own tokenisation of the output followed by ``d`` has a token boundary where the output ends
-   (``engine.sync.boundary_at_end``). Otherwise some member's state here is a fragment of one of its
-   tokens (e.g. ``So`` of a member that writes ``Sofia`` as one token), its distribution is not to
-   be trusted, and ``d`` is taken (``Generation.vetoed_steps``). Steps whose choice is not ``d``
-   are the ensembled ones (``Generation.ensembled_steps``).
-3. **Sharpening.** Where the combined distribution's top probability is below ``safe_sharpen``,
-   the mass that sits on sub-word pieces of a longer candidate is moved onto it: among the
-   ``SHARPEN_CANDIDATES`` most likely pieces, each one that is a strict byte prefix of another
-   gives its probability to its most likely extension (followed to the longest), so a word spread
-   over ``So``/``Sof``/``Sofia`` by members with different tokenisers counts as one choice.
+1. **Clean** (Eq. 1, the paper's OOV-like tokens): every computed member's own tokenisation of
+   ``o + r_j`` has a token boundary where ``o`` ends (``engine.sync.token_at_end``), so no member's
+   state there is a fragment of one of its tokens.
+2. **Consensus** (skip): with ``o_v`` the token of that tokenisation that starts at the boundary,
+   the draft is taken if every verifier's most likely text token in its row at ``j`` is its
+   ``o_v``, or if the mean over all computed members (the drafter with its drafted token, each
+   verifier with ``o_v``) of their probabilities is above 1/2.
 
-Speculative decoding with the primary as drafter (``speculative.draft``) runs exactly this rule at
-every drafted position (``Decider.decide_given``), with the verifiers in one forward per round.
+The first clean position without consensus *triggers*: the ensemble decides it as a plain step
+would (``Decider.decide_given``: the gate, if one is set (it must be the primary: "GaC + SAFE"),
+the combination, sharpening, the choice), and the round ends; the next round drafts after it. The
+other positions take the drafted piece, not ensembled. ``Generation.ensembled_steps`` counts the
+triggered positions (the paper's E/T numerator).
 
-*Source and deviations.* Only the paper's abstract, introduction and figure caption and three
-independent summaries of it could be read here (the reference code, github.com/yoon6503/SAFE, was
-not available), so the equations and default values are not the paper's: (1) consensus is judged by
-whether the combination chooses the draft, not by a verifier-probability threshold; (2) the paper
-has the verifiers re-tokenise the whole draft and checks every drafter position; here the check is
-per step on the output and the next drafted piece, which the members' exact byte-level
-re-synchronisation makes the same test at that position (and keeps plain and speculative decoding
-identical); (3) sharpening consolidates sub-word mass as the summaries describe ("consolidates
-probabilities spread across multiple sub-word tokens"), not a temperature (a temperature leaves the
-greedy choice unchanged); the ``0.5`` smoothness threshold and the 16 candidates are ours.
-Scoring (teacher forcing) is the plain combination: the rule chooses pieces, it does not change a
-given piece's probability.
+**Sharpening** (``reshape``, Sec. 3): where the combined top probability is below
+``safe_sharpen``, each piece the drafter holds as one token whose probability is above
+``safe_lambda`` gains the probability of every strict extension of it (pieces that start with its
+bytes), all sums from the unsharpened row; the choice is the argmax after. ``PrefixIndex`` finds a
+piece's extensions by bisection over the union's pieces in byte order.
+
+*Defaults* are the paper's (Sec. 4.2): ``safe_n`` 5, ``safe_lambda`` 0.1, sharpening below 0.5.
+*Mapping and deviations*: a verifier's ids at a clean position are its re-synchronised ids of the
+output there (``engine.sync``), not a re-tokenisation of the whole draft (the same ids wherever the
+re-sync window agrees with a full tokenisation); the clean check covers the drafter too; a draft cut
+short (the drafter's END, a piece the union cannot hold, a context's end) has the ensemble decide
+the position it stopped at. SAFE decodes greedily (a sampled sequence is refused) and needs every
+deciding member in this process (one chunked forward each). Likelihood scoring is the plain
+combination: the rule chooses pieces, it does not change a given piece's probability.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Dist
+from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.strategies.base import Strategy, param
-from tokenfuse.engine.sync import boundary_at_end
+from tokenfuse.engine.sync import token_at_end
 from tokenfuse.errors import ConfigError
 
-SHARPEN_CANDIDATES = 16
+OWN_KEYS = ("safe_n", "safe_sharpen", "safe_lambda")
 
 
 class SafeParams(BaseModel):
-    """``safe``: SAFE's rule (module docstring); ``safe_sharpen``: sharpen where the combined
-    distribution's top probability is below it (``0``: never)."""
+    """``safe``: SAFE's rounds (module docstring); ``safe_n``: pieces drafted per round;
+    ``safe_sharpen``: sharpen where the combined top probability is below it (``0``: never);
+    ``safe_lambda``: the probability a drafter token needs to gain its extensions' mass."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     safe: bool = False
+    safe_n: int = Field(5, ge=1, le=32)
     safe_sharpen: float = Field(0.5, ge=0, le=1)
+    safe_lambda: float = Field(0.1, ge=0, le=1)
 
 
 class Safe(Strategy):
     name = "safe"
     Params = SafeParams
-    drafting = True
+
+    @property
+    def exact_agreement(self) -> bool:  # type: ignore[override]
+        """Sharpening can move the argmax off the entry every member ranks first."""
+        return self.params.safe_sharpen <= 0
 
     @classmethod
     def wanted(cls, options: Any) -> bool:
@@ -77,63 +87,157 @@ class Safe(Strategy):
     @classmethod
     def check(cls, options: Any) -> None:
         if not cls.wanted(options):
-            if "safe_sharpen" in options.params:
-                raise ConfigError("params.safe_sharpen: SAFE's sharpening needs `safe: true`")
+            for key in OWN_KEYS:
+                if key in options.params:
+                    raise ConfigError(f"params.{key}: a parameter of SAFE; it needs `safe: true`")
             return
-        if options.gate is not None:
-            raise ConfigError(f"params.safe: SAFE has the primary member ({options.primary_label}) draft every "
-                              "step; drop `gate` and `threshold`, or drop `safe`")
         if options.params.get("select") is not None:
             raise ConfigError("params.safe: SAFE and selective ensembling (`select`) both decide by the "
                               "primary member; drop one of them")
+        if options.primary is not None:
+            _check_drafter(options, options.primary)
+
+    def bind(self, decider: Any) -> None:
+        """The rules that need the members: the gate and ``speculative.draft`` are the primary, every
+        member that decides runs in this process, the other strategies allow rounds."""
+        super().bind(decider)
+        names = decider.space.names
+        _check_drafter(self.options, names[decider.primary])
+        gate = [names.index(self.options.gate)] if self.options.gate is not None else []
+        deciding = {i for i, m in enumerate(decider.members) if m.weight > 0} | {decider.primary, *gate}
+        away = [names[i] for i in sorted(deciding) if not decider.members[i].in_process]
+        if away:
+            raise ConfigError(f"params.safe: SAFE verifies each drafted chunk in one forward per member; "
+                              f"{', '.join(away)} does not run in this process")
+        plain = [st.name for st in decider.strategies if not st.speculative]
+        if plain:
+            raise ConfigError(f"params.safe: SAFE decodes in drafted rounds, which {', '.join(plain)} does not allow")
+
+    def admit(self, s: Any) -> None:
+        if not s.sampling.greedy:
+            raise ConfigError("params.safe: SAFE decodes greedily; set temperature 0 or drop `safe`")
+
+    def chunk(self) -> int:
+        return self.params.safe_n
+
+    def trigger(self, s: Any, draft: list[int], rows: dict[int, torch.Tensor]) -> bool:
+        """Whether the ensemble decides the position of ``draft[0]``: clean and no consensus (module docstring)."""
+        d = self.decider
+        own = clean_tokens(d.space, s, draft, sorted(rows))
+        if own is None:
+            return False
+        return not consensus(d.space, d.primary, rows, own)
 
     def reshape(self, dist: Dist) -> Dist:
-        """SAFE's sharpening (module docstring, 3.) on the rows whose top probability is below ``safe_sharpen``."""
+        """SAFE's sharpening (module docstring) on the rows whose top probability is below ``safe_sharpen``."""
         smooth = (dist.probs.max(-1).values < self.params.safe_sharpen).nonzero().flatten().tolist()
         if not smooth:
             return dist
+        index, held = self._prefixes()
         probs = dist.probs.clone()
-        for j in smooth:
-            sharpen_row(probs[j], lambda c, j=j: dist.entry(j, c), self.decider.space.piece)
+        for r in smooth:
+            probs[r] = index.sharpen(dist.probs[r], None if dist.index is None else dist.index[r], held,
+                                     self.params.safe_lambda)
         return replace(dist, probs=probs)
 
-    def revise(self, seqs, members, outs, chosen: dict[int, int]) -> set[int]:
-        """The clean-boundary rule (module docstring, 2.): where the choice is not the draft and the
-        position is not a token boundary for every computed member, the draft is taken."""
-        if not chosen:
-            return set()
-        d = self.decider
-        own = d.primary_top(seqs, outs)
-        check = sorted(set(members) | {d.primary})
-        changed = set()
-        for r, e in chosen.items():
-            if own[r] < 0 or e == own[r]:
-                continue
-            s = seqs[r]
-            piece = d.space.piece(own[r]) if own[r] != END else b""
-            out = bytes(s.output)
-            if not all(boundary_at_end(d.space.codecs[i], s.states[i], out, piece, window=s.window) for i in check):
-                chosen[r] = own[r]
-                changed.add(r)
-        return changed
+    def _prefixes(self) -> tuple[PrefixIndex, torch.Tensor]:
+        """The union's ``PrefixIndex`` and which entries the drafter holds as one id (built once)."""
+        if not hasattr(self, "_index"):
+            union = self.decider.space.union
+            self._index = PrefixIndex.of(union.pieces)
+            umap = np.asarray(union.maps[self.decider.primary])
+            held = torch.zeros(len(union.pieces), dtype=torch.bool)
+            held[torch.from_numpy(umap[umap >= 0].astype(np.int64))] = True
+            held[END] = False
+            self._held = held
+        return self._index, self._held
 
 
-def sharpen_row(p: torch.Tensor, entry, piece) -> None:
-    """Move, in place, the probability of each of the row's ``SHARPEN_CANDIDATES`` most likely
-    pieces that is a strict byte prefix of another of them onto its most likely extension, followed
-    to the longest (``entry(col)``: a column's union entry, ``piece(entry)``: its bytes)."""
-    vals, cols = torch.topk(p, min(SHARPEN_CANDIDATES, p.numel()))
-    cand = [(int(c), float(v), piece(e)) for c, v in zip(cols.tolist(), vals.tolist())
-            if v > 0 and (e := entry(int(c))) != END]
-    target: dict[int, int] = {}
-    for c, _, b in cand:  # the most likely strict extension (topk order: the first is the most likely)
-        ext = next((c2 for c2, _, b2 in cand if len(b2) > len(b) and b2.startswith(b)), None)
-        if ext is not None:
-            target[c] = ext
-    for c, v, _ in cand:
-        if c in target:
-            t = target[c]
-            while t in target:  # each step is a longer piece: the chain ends
-                t = target[t]
-            p[c] -= v
-            p[t] += v
+def _check_drafter(options: Any, primary: str) -> None:
+    """The gate and ``speculative.draft``, if set, must be ``primary`` (SAFE's drafter)."""
+    if options.gate is not None and options.gate != primary:
+        raise ConfigError(f"gate: with `safe` the gate is the primary member ({primary}), SAFE's drafter "
+                          "(GaC + SAFE); set `gate` to it or set `primary`")
+    spec = options.speculative
+    if spec is not None and spec.draft is not None and spec.draft != primary:
+        raise ConfigError(f"speculative.draft: SAFE drafts with the primary member ({primary}); drop "
+                          "`speculative.draft` or set `primary` (`params.safe_n` sets the chunk)")
+
+
+def clean_tokens(space: Any, s: Any, draft: list[int], members: list[int]) -> dict[int, int] | None:
+    """The clean check (module docstring, 1.) at ``s``'s output: per member the id of the token its
+    own tokenisation of the output and ``draft``'s bytes has at the output's end (``o_v``), or
+    ``None`` where some member has no token boundary there."""
+    out = bytes(s.output)
+    rest = b"".join(space.piece(e) for e in draft if e != END)
+    own = {}
+    for i in members:
+        t = token_at_end(space.codecs[i], s.states[i], out, rest, window=s.window)
+        if t is None:
+            return None
+        own[i] = t
+    return own
+
+
+def consensus(space: Any, drafter: int, rows: dict[int, torch.Tensor], own: dict[int, int]) -> bool:
+    """The consensus rule (module docstring, 2.): every verifier's most likely text token is its
+    ``own`` token, or the members' mean probability of their tokens (the drafter's: its drafted one,
+    its most likely text token) is above 1/2."""
+    tops = {i: MemberOutput(logprobs=row[None]).top_text(space.union.maps[i]) for i, row in rows.items()}
+    verifiers = [i for i in rows if i != drafter]
+    if all(int(tops[v][0][0]) == own[v] for v in verifiers):
+        return True
+    probs = [float(np.exp(tops[drafter][1][0]))] + [float(rows[v][own[v]].exp()) if own[v] >= 0 else 0.0
+                                                    for v in verifiers]
+    return sum(probs) / len(probs) > 0.5
+
+
+class PrefixIndex:
+    """Union pieces in byte order: the pieces that start with a given piece are one run of it
+    (``span``), so a row's mass on a piece's extensions is a difference of cumulative sums."""
+
+    _last: tuple[Sequence[bytes], PrefixIndex] | None = None  # the pieces indexed last (one union)
+
+    def __init__(self, pieces: Sequence[bytes]) -> None:
+        order = sorted(range(len(pieces)), key=pieces.__getitem__)
+        self.pieces = pieces
+        self.sorted = [pieces[e] for e in order]
+        self.order = torch.tensor(order, dtype=torch.long)
+        self.rank = torch.empty(len(order), dtype=torch.long)
+        self.rank[self.order] = torch.arange(len(order))
+        self._end: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, pieces: Sequence[bytes]) -> PrefixIndex:
+        """The index of ``pieces``, reused while the same pieces are asked for (ensembles share a union)."""
+        if cls._last is None or cls._last[0] is not pieces:
+            cls._last = (pieces, cls(pieces))
+        return cls._last[1]
+
+    def span(self, entry: int) -> tuple[int, int]:
+        """Ranks ``[lo, hi)`` of the pieces that start with ``entry``'s piece (``lo``: itself)."""
+        lo = int(self.rank[entry])
+        if entry not in self._end:
+            b = self.pieces[entry].rstrip(b"\xff")
+            after = b[:-1] + bytes([b[-1] + 1]) if b else None  # the first bytes past every extension
+            self._end[entry] = len(self.sorted) if after is None else bisect.bisect_left(self.sorted, after, lo)
+        return lo, self._end[entry]
+
+    def sharpen(self, p: torch.Tensor, entries: torch.Tensor | None, held: torch.Tensor, lam: float) -> torch.Tensor:
+        """Row ``p`` sharpened (module docstring): ``entries``, its columns' union entries (``None``:
+        column = entry); ``held``: the entries the drafter holds as one id."""
+        ents = torch.arange(len(p)) if entries is None else entries
+        cols = ((p > lam) & held[ents]).nonzero().flatten().tolist()
+        if not cols:
+            return p
+        if entries is None:
+            ranks, perm = torch.arange(len(p)), self.order
+        else:
+            ranks, perm = self.rank[ents].sort()
+        cum = torch.cat([torch.zeros(1, dtype=torch.float64), p[perm].double().cumsum(0)])
+        out = p.clone()
+        for c in cols:
+            lo, hi = self.span(int(ents[c]))
+            a, b = int(torch.searchsorted(ranks, lo)), int(torch.searchsorted(ranks, hi))
+            out[c] = p[c] + (cum[b] - cum[a] - p[c].double()).clamp_min(0).to(p.dtype)
+        return out
