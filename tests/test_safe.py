@@ -89,8 +89,11 @@ def reference(members, align_cache, prompt, *, n, gate=None, max_new=MAX_NEW, sh
                 return None
         return None
 
+    def gated(rows):
+        return gate is not None and float(rows[d].max().exp()) > 0.5
+
     def ensemble(rows):
-        if gate is not None and float(rows[d].max().exp()) > 0.5:
+        if gated(rows):
             return int(projected(d, rows[d]).argmax())
         p = sum(projected(i, lp) for i, lp in rows.items()) / len(rows)
         if p.max() < sharpen:
@@ -128,7 +131,7 @@ def reference(members, align_cache, prompt, *, n, gate=None, max_new=MAX_NEW, sh
                     probs = [float(rows[d][top_text(d, rows[d])].exp())] + [float(rows[v][own[v]].exp()) for v in ver]
                     fire = not unanimous and sum(probs) / len(probs) <= 0.5
             e = ensemble(rows) if fire else drafts[j]
-            triggered += fire
+            triggered += fire and not gated(rows)  # E/T: the combination decided
             if e == END:
                 return chosen + [END], triggered
             chosen.append(e)

@@ -47,7 +47,6 @@ ensemble is built (members elsewhere).
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 
@@ -187,10 +186,8 @@ class Speculator:
             outs = self._outs(s, rows, j)
             draft = drafts[j] if j < len(drafts) else None
             fire = draft is None or self.rounds.trigger(s, drafts[j:], {i: rows[i][j] for i in self.check})
-            if fire:
+            if fire:  # ensembled where the combination decides (not where a gate decides alone)
                 (decision,) = self.decider.decide_given([s], outs)
-                decision = replace(decision, ensembled=True,
-                                   trace=replace(decision.trace, ensembled=True) if decision.trace else None)
             elif s.trace is not None:  # combined for the record only
                 (decision,) = self.decider.decide_given([s], outs, keep=[draft])
             else:

@@ -20,7 +20,8 @@ The first clean position without consensus *triggers*: the ensemble decides it a
 would (``Decider.decide_given``: the gate, if one is set (it must be the primary: "GaC + SAFE"),
 the combination, sharpening, the choice), and the round ends; the next round drafts after it. The
 other positions take the drafted piece, not ensembled. ``Generation.ensembled_steps`` counts the
-triggered positions (the paper's E/T numerator).
+triggered positions where the members' combination decided (with a gate, not those where the
+drafter alone was confident enough): the paper's E/T numerator.
 
 **Sharpening** (``reshape``, Sec. 3): where the combined top probability is below
 ``safe_sharpen``, each piece the drafter holds as one token whose probability is above
