@@ -5,6 +5,9 @@ expert's probability of each, and the row's terms.
 Usage: TOKENFUSE_DATA=DIR python scripts/trace_lost.py RUN TASK ROW N (RUN: a
 `tokenfuse eval --out` directory of the three bundled members; ROW: an engine row of TASK in the
 generate form). The regenerated output is checked against the record ("same output as the record").
+At the end, over the traced items: how many steps the row ensembled, how many of those left the
+expert's top piece, and how many of these chose a strict byte prefix of it (e.g. `' '` for `' is'`:
+SAFE's sharpening gives a prefix its extensions' mass).
 """
 import json
 import os
@@ -31,6 +34,7 @@ base = load_ensemble(cfg, progress=False)
 variant = cfg.with_overrides(**spec["overrides"])
 ens = base.variant(variant.options)
 chat = prompt_form(ens.members)
+ensembled = left = prefix = 0
 for i in lost[:n]:
     it = by_id[i]
     g = ens.generate(task.prompt(it, chat=chat), max_new_tokens=192, stop=task.stop(chat=chat), chat=chat, trace=True)
@@ -43,8 +47,14 @@ for i in lost[:n]:
         if not exp["computed"] or not exp["top"]:
             continue
         etop = exp["top"][0]
+        ensembled += d["ensembled"]
+        if d["ensembled"] and etop["bytes"] != d["bytes"]:
+            left += 1
+            prefix += etop["bytes"].startswith(d["bytes"])  # hex of bytes: a byte prefix is a hex prefix
         if etop["bytes"] != d["bytes"] and shown < 6:
             shown += 1
             so_far = "".join(s.text for s in g.trace[:d["step"]])[-60:]
             print(f"   step {d['step']}: ...{so_far!r} -> row {d['token']!r} (expert p {exp['piece_prob']}) "
                   f"vs expert top {etop['text']!r} p {etop['prob']:.3f}; terms {d.get('terms')}")
+print(f"\n{min(n, len(lost))} items: {ensembled} steps ensembled, {left} of them left the expert's top piece, "
+      f"{prefix} of these chose a strict byte prefix of it")
