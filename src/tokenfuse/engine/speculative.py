@@ -183,9 +183,10 @@ class Speculator:
         events: list[StepEvent] = []
         accepted = 0
         for j in range(len(drafts) + cut):
-            outs = self._outs(s, rows, j)
             draft = drafts[j] if j < len(drafts) else None
             fire = draft is None or self.rounds.trigger(s, drafts[j:], {i: rows[i][j] for i in self.check})
+            if fire or s.trace is not None:  # an untraced drafted piece taken as it is reads no output
+                outs = self._outs(s, rows, j)
             if fire:  # ensembled where the combination decides (not where a gate decides alone)
                 (decision,) = self.decider.decide_given([s], outs)
             elif s.trace is not None:  # combined for the record only

@@ -101,18 +101,12 @@ def incomplete_tail(data: bytes) -> int:
     return 0
 
 
-def boundary_at_end(codec: ByteCodec, st: SeqState, output: bytes, piece: bytes, *, window: int = 8) -> bool:
-    """Whether the member's own tokenisation of ``output + piece`` has a token boundary where
-    ``output`` ends (``token_at_end`` is not ``None``): no token of it straddles that point, so its
-    state there is not a fragment of one of its tokens."""
-    return token_at_end(codec, st, output, piece, window=window) is not None
-
-
 def token_at_end(codec: ByteCodec, st: SeqState, output: bytes, piece: bytes, *, window: int = 8) -> int | None:
     """In the member's own tokenisation of ``output + piece`` (re-tokenised from one of its last
     ``window`` tokens, as ``resync`` cuts it): the id of the token that starts where ``output`` ends
-    (``-1`` where ``piece`` is empty), or ``None`` where a token straddles that point. ``None`` also
-    where the member does not cover ``output`` exactly (a held-back or raw-byte tail)."""
+    (``-1`` where ``piece`` is empty), or ``None`` where a token straddles that point, so the
+    member's state there would be a fragment of one of its tokens. ``None`` also where the member
+    does not cover ``output`` exactly (a held-back or raw-byte tail)."""
     if st.covered != len(output) or st.provisional:
         return None
     _, pos = window_start(st, output, max(0, len(st.ids) - window))
