@@ -521,3 +521,37 @@ def test_eval_generate_table_gives_each_rows_outputs_as_it_gives_them_alone(llam
     with _prefix_cache_off(members[0]), _prefix_cache_off(members[1]):
         alone = outputs(["gac"], "alone")
     assert table == alone and len(table) == 3 and all(table.values())
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
+def test_a_batch_side_by_side_gives_the_numbers_one_after_another_gives(llamacpp_members, family):
+    """A batch's sequences run in threads of their own, the member's cores split among them
+    (``side_by_side``, the default): every row of every step is bit-identical to forwarding them
+    one after another, and seeded samples are the same pieces."""
+    from tokenfuse.engine import Sampling
+
+    m = llamacpp_members[family]
+    m.share_cores(2)
+    prompts = PROMPTS + [PROMPTS[0]]
+    rows, outs = {}, {}
+    try:
+        for side in (True, False):
+            m.side_by_side = side
+            calls = m.side.side_by_side_calls
+            states = [m.new_state(m.encode_prompt(p)) for p in prompts]
+            rows[side] = []
+            for _ in range(4):
+                lp = m.next_logprobs(states)
+                rows[side].append(lp)
+                for st, row in zip(states, lp):
+                    st.ids.append(int(row.argmax()))
+            for st in states:
+                m.release(st)
+            samplings = [Sampling(temperature=0.8, seed=s) for s in (1, 2, 3)] + [Sampling()]
+            gens = Ensemble.single(m).generate(prompts, max_new_tokens=N, sampling=samplings)
+            outs[side] = [(g.output, g.member_ids) for g in gens]
+            assert (m.side.side_by_side_calls > calls) == side
+    finally:
+        m.side_by_side = True
+    assert all(bool((a == b).all()) for a, b in zip(rows[True], rows[False]))
+    assert outs[True] == outs[False]

@@ -6,7 +6,8 @@ models' own build, ``tokenfuse.members.gguf_tokenizer``; otherwise transformers'
 llama.cpp's own ``token_to_piece``.
 
 Each sequence gets its own llama.cpp context from a per-member pool (contexts share the loaded
-weights), so a sequence's numbers never depend on what else is in the batch. ``multi_seq=N``
+weights), so a sequence's numbers never depend on what else is in the batch, and a batch's sequences
+run side by side, the cores split among them (``side_by_side``, ``tokenfuse.members.side_by_side``). ``multi_seq=N``
 instead puts up to N sequences in one context and decodes all their new tokens in one llama.cpp
 batch: faster for batches, but llama.cpp's batched kernels make the results depend on the batch's
 composition, so batch and one-by-one outputs can differ; it is off by default. Rollback removes cached positions past the common prefix
@@ -45,6 +46,7 @@ also imports the library and routes its log lines.)
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ from tokenfuse.members.embeddings import EmbeddingRows
 from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, prompt_head,
                                                reusable_prefix, reusable_prefix_exact, start_at_a_block)
 from tokenfuse.members.llamacpp_lib import LOAD_LOCK, exact_calls_for_build, import_llama_cpp, weights_as_stored
+from tokenfuse.members.side_by_side import SideBySide
 
 # exact_calls' KV cache type, GGML_TYPE_BF16 (llama-cpp-python names no constant for it): keeps a
 # one-id call from the thread-split attention path (F16/F32 keys and values, 512+ cached positions).
@@ -138,6 +141,7 @@ class LlamaCppMember(LocalMember):
         self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
         self.context_length = n_ctx
         self.threads = self.fixed_threads or cpu_cores()
+        self.side_by_side, self.side, self._stats_lock = True, SideBySide(), threading.Lock()
         self.swa_window = self._lib.llama_model_n_swa(self.llm._model.model)  # 0: no sliding window
 
     def share_cores(self, n: int) -> None:
@@ -146,11 +150,12 @@ class LlamaCppMember(LocalMember):
         if self.fixed_threads is None:
             self.threads = max(1, int(n))
 
-    def _threads_on(self, slot: Slot) -> None:
-        """Give ``slot``'s context the member's current thread count."""
-        if slot.threads != self.threads:
-            self._lib.llama_set_n_threads(slot.ctx.ctx, self.threads, self.threads)
-            slot.threads = self.threads
+    def _threads_on(self, slot: Slot, n: int | None = None) -> None:
+        """Give ``slot``'s context ``n`` threads (default: the member's current thread count)."""
+        n = n or self.threads
+        if slot.threads != n:
+            self._lib.llama_set_n_threads(slot.ctx.ctx, n, n)
+            slot.threads = n
 
     def _control_ids(self) -> list[int]:
         """Ids the GGUF marks as control / unused / unknown: not text, whatever their spelling."""
@@ -171,7 +176,12 @@ class LlamaCppMember(LocalMember):
         return EmbeddingRows(gguf_path=self.path)
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
-        return self._forward_multi(states) if self.multi_seq else super()._forward_batch(states)
+        if self.multi_seq:
+            return self._forward_multi(states)
+        if not self.side_by_side:
+            return super()._forward_batch(states)
+        return self.side.run(states, lambda st, n: self._feed(st, [st.length], threads=n)[0], cores=self.threads,
+                              new=lambda st: st.cache is None)
 
     def _forward_multi(self, states: list[SeqState]) -> list[torch.Tensor]:
         """One llama.cpp batch for the new tokens of every sequence (one context, one seq id each)."""
@@ -326,9 +336,10 @@ class LlamaCppMember(LocalMember):
                                      {id(st): {n - 1 for n in ends}})
         return [rows[id(st), n - 1] for n in ends]
 
-    def _feed(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
-        """Crop the cache to ``n_valid`` and feed the rest in batches of ``n_batch`` ids, asking
-        llama.cpp for the logits of the positions in ``ends`` only."""
+    def _feed(self, st: SeqState, ends: list[int], *, threads: int | None = None) -> list[torch.Tensor]:
+        """Crop the cache to ``n_valid`` and feed the rest in batches of ``n_batch`` ids (with
+        ``threads``, default the member's), asking llama.cpp for the logits of the positions in
+        ``ends`` only."""
         slot: Slot = st.cache
         if slot is None:
             slot = st.cache = self._acquire(st, ends[0] - 1)
@@ -341,9 +352,10 @@ class LlamaCppMember(LocalMember):
                 st.n_valid = 0
             slot.n = st.n_valid
             slot.exact = min(slot.exact, slot.n)
-        self._threads_on(slot)
+        self._threads_on(slot, threads)
         ids = st.all_ids()
-        self.prefix_stats["fed"] += len(ids) - slot.n
+        with self._stats_lock:  # sequences may be fed side by side
+            self.prefix_stats["fed"] += len(ids) - slot.n
         want = {n - 1 for n in ends}  # positions whose next-token logits are asked for
         rows: dict[int, torch.Tensor] = {}
         while slot.n < len(ids):
@@ -403,6 +415,7 @@ class LlamaCppMember(LocalMember):
         for slot in self._free + self._busy + ([self._multi] if self._multi is not None else []):
             slot.close()
         self._free, self._busy, self._multi = [], [], None
+        self.side.close()
         self._model_users.drop()
 
 
