@@ -180,7 +180,7 @@ class LlamaCppMember(LocalMember):
             return self._forward_multi(states)
         if not self.side_by_side:
             return super()._forward_batch(states)
-        return self.side.run(states, lambda st, n: self._feed(st, [st.length], threads=n)[0], cores=self.threads,
+        return self.side.run(states, lambda st, n: self._forward(st, threads=n), cores=self.threads,
                               new=lambda st: st.cache is None)
 
     def _forward_multi(self, states: list[SeqState]) -> list[torch.Tensor]:
@@ -323,8 +323,8 @@ class LlamaCppMember(LocalMember):
         """The pooled context released longest ago, or a new one."""
         return self._free.pop(0) if self._free else self._new_slot()
 
-    def _forward(self, st: SeqState) -> torch.Tensor:
-        return self._feed(st, [st.length])[0]
+    def _forward(self, st: SeqState, *, threads: int | None = None) -> torch.Tensor:
+        return self._feed(st, [st.length], threads=threads)[0]
 
     def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
         if not self.multi_seq:
