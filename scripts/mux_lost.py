@@ -15,15 +15,16 @@ from pathlib import Path
 
 from tokenfuse.eval.answers import majority
 from tokenfuse.eval.methods import answer_key
+from tokenfuse.eval.records import item_file, read_records
 
 run, task_name = Path(sys.argv[1]), sys.argv[2]
 k = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-items_dir = run / "items" / f"{task_name}-generate"
-load = lambda f: {json.loads(l)["id"]: json.loads(l) for l in open(items_dir / f)}
-mux = load("mux.jsonl")
-primary = json.loads((run / "results.json").read_text())["primaries"][task_name]["member"]
-samples = {p.name[len("samples__"):-len(".jsonl")]: load(p.name) for p in sorted(items_dir.glob("samples__*.jsonl"))}
-alone = load(f"single__{primary}.jsonl")
+load = lambda row: read_records(item_file(run, task_name, "generate", row))
+mux = load("mux")
+results = json.loads((run / "results.json").read_text())
+primary = results["primaries"][task_name]["member"]
+samples = {m: load(f"samples:{m}") for m in sorted(results["members"])}
+alone = load(f"single:{primary}")
 
 
 def majority_of(rec: dict) -> tuple[str | None, int, bool]:
@@ -58,8 +59,8 @@ right_when = Counter(mux[i]["chosen"] for i in ids if mux[i]["correct"])
 print("chosen member: " + ", ".join(f"{m} {chosen[m]} ({right_when[m]} right)" for m in samples))
 print("each member's majority of its first k samples right: "
       + ", ".join(f"{m} {sum(majority_of(per[i])[2] for i in ids)}" for m, per in samples.items()))
-ties = sum(1 for i in ids if sorted(mux[i]["consistency"])[-1] == sorted(mux[i]["consistency"])[-2])
+ties = sum(1 for i in ids if mux[i]["consistency"].count(max(mux[i]["consistency"])) > 1)
 print(f"items where the top consistency was tied between members: {ties}")
-sc = items_dir / f"sc__{primary}.jsonl"
-if sc.exists():
-    print(f"sc:{primary} right: {sum(r['correct'] for r in load(sc.name).values())}")
+sc = load(f"sc:{primary}")
+if sc:
+    print(f"sc:{primary} right: {sum(r['correct'] for r in sc.values())}")
