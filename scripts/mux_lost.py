@@ -13,8 +13,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tokenfuse.eval.answers import majority
-from tokenfuse.eval.methods import answer_key
+from tokenfuse.eval.answers import sc_pick
 from tokenfuse.eval.records import item_file, read_records
 
 run, task_name = Path(sys.argv[1]), sys.argv[2]
@@ -29,8 +28,8 @@ alone = load(f"single:{primary}")
 
 def majority_of(rec: dict) -> tuple[str | None, int, bool]:
     """A member's majority answer among its first k samples, its count, and whether it is right."""
-    i, votes = majority([answer_key(a) for a in rec["extracted"][:k]])
-    return (None, 0, False) if i is None else (rec["extracted"][i], votes, rec["correct"][i])
+    j, votes = sc_pick(rec["extracted"][:k])
+    return (None, 0, False) if votes == 0 else (rec["extracted"][j], votes, rec["correct"][j])
 
 
 def show(i: str) -> None:
