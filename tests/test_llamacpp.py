@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from tokenfuse import Ensemble
+from tokenfuse import Ensemble, Sampling
 from tokenfuse.members.llamacpp import BLOCK, LlamaCppMember
 
 pytestmark = pytest.mark.real
@@ -16,9 +16,14 @@ PROMPTS = ["Question: What is the capital of France?\nAnswer:", "def fibonacci(n
 N = 16
 # Greedy continuations of the quantised llama.cpp model and of the dequantised fp32 transformers
 # model agree token for token, except where the quantised arithmetic (llama.cpp multiplies Q4
-# blocks directly; transformers multiplies the dequantised fp32 weights) tips a near-tie. Those
-# first points of divergence, measured on this build (llama-cpp-python 0.3.36, CPU), are pinned:
-DIVERGES_AT = {("smollm2", 1): 13, ("qwen", 2): 5}
+# blocks directly; transformers multiplies the dequantised fp32 weights) tips a near-tie. Where a
+# near-tie tips depends on the build (setup.sh compiles llama.cpp for the CPU it runs on: an
+# earlier build diverged on qwen's prompt 2 at piece 5, an AMD EPYC build on its prompt 0 at piece 7
+# and not on prompt 2), so the test pins no positions: at the first divergence each path's own
+# numbers must rank the other path's piece within QUANT_TIE (probability) of its own pick. Measured
+# gaps: 0.032 / 0.045 (smollm2, prompt 1, piece 13: llama.cpp / transformers), 0.012 / 0.011 (qwen,
+# prompt 0, piece 7).
+QUANT_TIE = 0.1
 # After a rollback, the next-token distribution equals a fresh prefill's up to this (probability
 # space, max over the vocabulary) and has the same argmax; measured: 0 / 0.017 / 0.0045.
 ROLLBACK_TOL = 0.05
@@ -48,16 +53,30 @@ def test_every_token_has_llama_cpps_own_bytes(llamacpp_members, family):
     assert all(m.codec.token_bytes[i] is None for i in m._control_ids())
 
 
+def first_difference(a: list[bytes], b: list[bytes]) -> int | None:
+    """The first step at which two runs chose different pieces (``None``: none within the shorter)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def assert_near_tie(step, other: bytes, tol: float, what: str) -> None:
+    """``step`` (a traced step) chose its piece; ``other`` is within ``tol`` of it in its numbers."""
+    p_other = next((t.prob for t in step.top if bytes.fromhex(t.bytes) == other), 0.0)
+    assert step.prob - p_other <= tol, f"{what}: {step.raw!r} {step.prob:.4f} vs {other!r} {p_other:.4f}"
+
+
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
-def test_greedy_matches_transformers_up_to_pinned_divergence(llamacpp_members, real_members, family):
+def test_greedy_matches_transformers_up_to_a_near_tie(llamacpp_members, real_members, family):
     lc, tf = llamacpp_members[family], real_members[family]
     for k, prompt in enumerate(PROMPTS):
-        a = Ensemble([lc]).generate(prompt, max_new_tokens=N).member_ids[lc.name]
-        b = Ensemble([tf]).generate(prompt, max_new_tokens=N).member_ids[tf.name]
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        assert first == DIVERGES_AT.get((family, k)), f"{family} prompt {k}: first divergence at {first}"
+        a = Ensemble([lc]).generate(prompt, max_new_tokens=N, trace=True, trace_k=5)
+        b = Ensemble([tf]).generate(prompt, max_new_tokens=N, trace=True, trace_k=5)
+        first = first_difference([s.raw for s in a.trace], [s.raw for s in b.trace])
         if first is None:
-            assert a == b
+            assert a.member_ids[lc.name] == b.member_ids[tf.name], f"{family} prompt {k}"
+            continue
+        where = f"{family} prompt {k}, piece {first}"
+        assert_near_tie(a.trace[first], b.trace[first].raw, QUANT_TIE, f"{where}, llama.cpp")
+        assert_near_tie(b.trace[first], a.trace[first].raw, QUANT_TIE, f"{where}, transformers")
 
 
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])
@@ -463,24 +482,31 @@ def test_rows_sharing_a_memo_give_the_numbers_each_gives_alone(llamacpp_members)
 
 
 @pytest.mark.parametrize("method", ["gac", "unite"])
-def test_speculative_decoding_stays_in_sync_and_matches_plain_here(llamacpp_members, method):
+def test_speculative_decoding_stays_in_sync_and_departs_from_plain_only_at_a_near_tie(llamacpp_members, method):
     """Speculative rounds roll members back and forth; every member's ids still decode to the output.
     Its verification feeds drafted positions in chunks, whose numbers differ from one-position calls
     on llama.cpp (docs/evaluation.md, "One-forward scoring"), so plain and speculative greedy outputs
-    can differ at a near-tie; on these prompts they were measured identical on this build (and one of
-    the six bench prompts at 32 pieces differed), which is pinned here. With ``exact_calls`` they are
-    equal on every prompt (tests/test_exact_calls.py)."""
+    can differ at a near-tie (which prompts do depends on the build: on an AMD EPYC build unite's
+    prompts 1 and 2 did, at gaps of 0.0014 and 0.0024 in plain's numbers). At the first piece where
+    they differ, plain decoding's own numbers rank the speculative piece within ``ROLLBACK_TOL`` of
+    its pick. With ``exact_calls`` they are equal on every prompt (tests/test_exact_calls.py)."""
     members = list(llamacpp_members.values())
     plain = Ensemble(members, method=method)
     spec = Ensemble(members, method=method, speculative={"k": 4})
     assert spec.describe()["speculative"]["draft"] == "smollm2"  # the smallest GGUF file
-    for prompt in PROMPTS:
-        a, b = plain.generate(prompt, max_new_tokens=N), spec.generate(prompt, max_new_tokens=N)
-        assert b.output == a.output
+    for k, prompt in enumerate(PROMPTS):
+        a = plain.generate(prompt, max_new_tokens=N, trace=True, trace_k=8)
+        b = spec.generate(prompt, max_new_tokens=N)
         assert 0 < b.accepted <= b.drafted
         for m in members:
             assert m.codec.decode(b.member_ids[m.name]) == b.output
-
+        pieces = [ev.piece for ev in spec.steps([prompt], max_new_tokens=N, sampling=Sampling())]
+        assert b"".join(pieces) == b.output
+        first = first_difference([s.raw for s in a.trace], pieces)
+        if first is None:
+            assert b.output == a.output
+        else:
+            assert_near_tie(a.trace[first], pieces[first], ROLLBACK_TOL, f"{method} prompt {k}, piece {first}")
 
 
 # ---------------------------------------------------------------------------- eval's generate form
