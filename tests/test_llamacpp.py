@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from tokenfuse import Ensemble, Sampling
+from tokenfuse import Ensemble
 from tokenfuse.members.llamacpp import BLOCK, LlamaCppMember
 
 pytestmark = pytest.mark.real
@@ -496,12 +496,17 @@ def test_speculative_decoding_stays_in_sync_and_departs_from_plain_only_at_a_nea
     assert spec.describe()["speculative"]["draft"] == "smollm2"  # the smallest GGUF file
     for k, prompt in enumerate(PROMPTS):
         a = plain.generate(prompt, max_new_tokens=N, trace=True, trace_k=8)
-        b = spec.generate(prompt, max_new_tokens=N)
+        seq, pieces = spec.open(prompt, max_new_tokens=N), []
+        try:
+            while seq.finished is None:
+                pieces += [ev.piece for ev in spec.step([seq])]
+            b = seq.result()
+        finally:
+            spec.close(seq)
+        assert b"".join(pieces) == b.output
         assert 0 < b.accepted <= b.drafted
         for m in members:
             assert m.codec.decode(b.member_ids[m.name]) == b.output
-        pieces = [ev.piece for ev in spec.steps([prompt], max_new_tokens=N, sampling=Sampling())]
-        assert b"".join(pieces) == b.output
         first = first_difference([s.raw for s in a.trace], pieces)
         if first is None:
             assert b.output == a.output
