@@ -3,6 +3,9 @@
 Tokenizers are converted from the bundled GGUF files once (seconds, tokenizer only) into the
 tokenfuse cache. Tiny models (2 layers, hidden 32) are built from a seed on top of each real
 tokenizer, so most tests run the real alignment and re-sync logic in milliseconds per step.
+
+``TOKENFUSE_TEST_DEVICE=cuda`` puts the tiny models on that device (default ``cpu``): the same
+exact-output tests then run the members' forwards on a GPU (see docs/benchmarks.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import torch
 from tokenfuse.bundled import BUNDLED, DEFAULT_ENSEMBLE
 from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
 from tokenfuse.members.transformers import TransformersMember
+from tokenfuse.paths import cache_dir
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+TEST_DEVICE = os.environ.get("TOKENFUSE_TEST_DEVICE", "cpu")
 SHORT = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen": "qwen2.5-coder-0.5b-instruct"}
 
 
@@ -39,7 +44,8 @@ def align_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_dirs() -> dict[str, Path]:
     """Directories holding each bundled model's tokenizer.json, keyed by short name."""
-    missing = [n for n in DEFAULT_ENSEMBLE if not BUNDLED[n].installed()]
+    root = cache_dir()
+    missing = [n for n in DEFAULT_ENSEMBLE if not (BUNDLED[n].installed() or BUNDLED[n].is_cached(root, model=False))]
     if missing:
         pytest.fail("bundled models not installed: " + "; ".join(BUNDLED[n].pip_command for n in missing))
     return {short: ensure_tokenizer(full, progress=False) for short, full in SHORT.items()}
@@ -53,7 +59,7 @@ def tokenizers(tokenizer_dirs):
 
 
 def tiny_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 32, eos: int | None = None):
-    """A random-weight Llama-architecture causal LM with ``vocab_size`` output rows."""
+    """A random-weight Llama-architecture causal LM with ``vocab_size`` output rows, on ``TEST_DEVICE``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -61,7 +67,7 @@ def tiny_model(vocab_size: int, *, seed: int, layers: int = 2, hidden: int = 32,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=2048, initializer_range=0.5, tie_word_embeddings=False,
                       eos_token_id=eos)
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(cfg).eval().to(TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

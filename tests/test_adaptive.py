@@ -219,7 +219,7 @@ def test_prompt_logprob_per_byte_is_the_prefill(make_tiny, one_thread, last_byte
     ids = list(st_.prompt_ids)
     assert len(ids) > 2 * PROMPT_CHUNK
     with torch.inference_mode():
-        lp = torch.log_softmax(m.model(torch.tensor([ids])).logits[0].float(), -1)
+        lp = torch.log_softmax(m.model(torch.tensor([ids], device=m.device)).logits[0].float().cpu(), -1)
     tb = m.codec.token_bytes
     if first is None:  # the last ids that cover ``last_bytes`` bytes
         first = len(ids) - 1

@@ -71,7 +71,7 @@ def eos_lover(tiny, align_cache, *, family: str = "qwen", seed: int = 3, name: s
     base = tiny(family, seed=seed)
     model = copy.deepcopy(base.model)  # never patch the session-shared tiny model
     old = model.lm_head
-    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True, device=old.weight.device)
     with torch.no_grad():
         head.weight.copy_(old.weight)
         head.bias.zero_()
@@ -138,7 +138,8 @@ def test_single_member_matches_transformers_greedy(build, tiny, family, seed):
     # transformers too; its end ids stop both.
     not_text = np.nonzero(ens.union.maps[0] < 0)[0].tolist()
     ends = sorted(m.codec.end_ids)
-    out = m.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+    out = m.model.generate(torch.tensor([prompt_ids], device=m.device),
+                           attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=m.device),
                            max_new_tokens=N, do_sample=False, eos_token_id=ends, pad_token_id=ends[0],
                            suppress_tokens=not_text)
     hf = out[0, len(prompt_ids):].tolist()

@@ -21,9 +21,9 @@ def direct(member, context: str, continuation: str) -> float:
     piece the vocabulary spells with several ids (Gemma has a few) counts with all of them."""
     ctx = member.encode_prompt(context)
     cont = member.codec.encode_text(continuation)
-    ids = torch.tensor([ctx + cont])
+    ids = torch.tensor([ctx + cont], device=member.device)
     with torch.no_grad():
-        logits = member.model(ids).logits[0].float()
+        logits = member.model(ids).logits[0].float().cpu()
     lp = torch.log_softmax(logits, -1)
     text = torch.tensor([b is not None for b in member.codec.token_bytes] + [False] * (lp.shape[-1] - len(member.codec.token_bytes)))
     text[sorted(member.codec.end_ids)] = True

@@ -65,7 +65,7 @@ def reference(members, align_cache, prompt, *, n, gate=None, max_new=MAX_NEW, sh
 
     def row(i):
         with torch.no_grad():
-            logits = members[i].model(torch.tensor([s.states[i].all_ids()])).logits[0, -1].float()
+            logits = members[i].model(torch.tensor([s.states[i].all_ids()], device=members[i].device)).logits[0, -1].float().cpu()
         return logits.log_softmax(-1)
 
     def top_text(i, lp):

@@ -75,7 +75,7 @@ def test_single_member_trace_is_the_model_itself(make_tiny, align_cache):
     rel = 1e-4
     for s, tid in zip(g.trace, g.member_ids["solo"]):
         with torch.inference_mode():
-            lp = torch.log_softmax(m.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+            lp = torch.log_softmax(m.model(input_ids=torch.tensor([ids], device=m.device)).logits[0, -1].float().cpu(), -1)
         p = lp.exp()
         (ms,) = s.members
         assert ms.computed and ms.holds_piece and s.members[0].name == "solo"
