@@ -314,3 +314,31 @@ def test_cache_is_versioned_and_reused(tmp_path, built, monkeypatch):
     gt.ensure_tokenizer(name, root=tmp_path)
     assert tokenizer_version(out) == TOKENIZER_VERSION
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES + (MARK_TOKENIZER,))
+
+
+def test_gguf_parsed_once_shares_one_parse_within_the_block_only():
+    """A model conversion's second reader of the same GGUF (transformers builds one for the config, one
+    for the tensors) takes the first one's parse; outside the block every reader parses again."""
+    import gguf
+
+    from tokenfuse.bundled import gguf_parsed_once
+
+    path = BUNDLED["smollm2-135m-instruct"].gguf_path(cache_dir())
+    parses = []
+    real = gguf.GGUFReader.__init__
+
+    def counted(self, *args, **kwargs):
+        parses.append(1)
+        real(self, *args, **kwargs)
+
+    gguf.GGUFReader.__init__ = counted
+    try:
+        with gguf_parsed_once():
+            a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert len(parses) == 1
+        assert list(a.fields) == list(b.fields) and [t.name for t in a.tensors] == [t.name for t in b.tensors]
+        assert bytes(b.tensors[0].data[:64]) == bytes(a.tensors[0].data[:64])
+        gguf.GGUFReader(path)
+        assert len(parses) == 2
+    finally:
+        gguf.GGUFReader.__init__ = real
