@@ -174,7 +174,7 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
 
         bar.set_postfix_str("dequantising")
         t0 = time.perf_counter()
-        with TRANSFORMERS_BUILD_LOCK, gguf_parsed_once():
+        with transformers_build():
             lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         bar.update(1)
         bar.set_postfix_str("saving")
@@ -200,7 +200,7 @@ def gguf_parsed_once() -> Iterator[None]:
     and merges: about 20 s on 2 cores), and ``from_pretrained(gguf_file=...)`` builds one reader for
     the config and another for the tensors. A second reader of the same file takes the first one's
     parsed state (its fields and tensors over the same read-only memory map), so the weights are those
-    of two parses. Hold ``TRANSFORMERS_BUILD_LOCK`` around it: the patch is the process's.
+    of two parses. The patch is the process's: builds take it through ``transformers_build``.
     """
     from gguf import GGUFReader
 
@@ -220,6 +220,14 @@ def gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         GGUFReader.__init__ = init
+
+
+@contextmanager
+def transformers_build() -> Iterator[None]:
+    """What every transformers model build (``from_pretrained``) runs inside: ``TRANSFORMERS_BUILD_LOCK``
+    (one build at a time) and, under it, ``gguf_parsed_once``."""
+    with TRANSFORMERS_BUILD_LOCK, gguf_parsed_once():
+        yield
 
 
 def _mark(path: Path, gguf: Path, seconds: float, **extra) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tokenfuse.bundled import TRANSFORMERS_BUILD_LOCK, gguf_parsed_once
+from tokenfuse.bundled import transformers_build
 from tokenfuse.errors import ModelLoadError
 from tokenfuse.members.base import LocalMember, SeqState
 from tokenfuse.members.codec import load_or_build_codec
@@ -109,8 +109,7 @@ def load_transformers_member(
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        # one model built at a time (why: tokenfuse.bundled); a GGUF parsed once, not for config and tensors apart
-        with TRANSFORMERS_BUILD_LOCK, gguf_parsed_once():
+        with transformers_build():  # one model built at a time, a GGUF parsed once (why: tokenfuse.bundled)
             model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[dtype], **kwargs)
             model.to(device)
     except OSError as err:
