@@ -6,6 +6,9 @@ tokenizer, so most tests run the real alignment and re-sync logic in millisecond
 
 ``TOKENFUSE_TEST_DEVICE=cuda`` puts the tiny models on that device (default ``cpu``): the same
 exact-output tests then run the members' forwards on a GPU (see docs/benchmarks.md, "On a GPU").
+
+The files run in worker processes (pytest-xdist, ``-n auto`` in pyproject.toml): one per core, at most
+``MAX_WORKERS``, each worker on its own cores.
 """
 
 from __future__ import annotations
@@ -13,13 +16,39 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+MAX_WORKERS = 4  # each worker may hold the real members (about 4.5 GB)
 
-from tokenfuse.bundled import BUNDLED, DEFAULT_ENSEMBLE
-from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
-from tokenfuse.members.transformers import TransformersMember
-from tokenfuse.paths import cache_dir
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return max(1, min(MAX_WORKERS, len(_cores())))
+
+
+def _pin_worker() -> None:
+    """A worker runs on its share of the cores: torch and llama.cpp size their thread pools from the
+    affinity, so the workers' threads do not spin against each other. Before torch is imported."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = _cores()
+    if worker and count > 1 and count <= len(cores) and hasattr(os, "sched_setaffinity"):
+        share = len(cores) // count
+        i = int(worker.removeprefix("gw"))
+        os.sched_setaffinity(0, cores[i * share:(i + 1) * share])
+
+
+_pin_worker()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tokenfuse.bundled import BUNDLED, DEFAULT_ENSEMBLE  # noqa: E402
+from tokenfuse.members.gguf_tokenizer import ensure_tokenizer  # noqa: E402
+from tokenfuse.members.transformers import TransformersMember  # noqa: E402
+from tokenfuse.paths import cache_dir  # noqa: E402
+
+torch.set_num_threads(len(_cores()))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

