@@ -31,7 +31,7 @@ timeout 230 python3 -m tokenfuse.cli bench --backends transformers \
   --json "$OUT/bench.json" 2>&1 | grep -v -i warn | tee "$OUT/bench.txt"
 fi
 # The engine's exact-output tests with the tiny members' forwards on the GPU.
-TOKENFUSE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -m "not real" -p no:cacheprovider -n 12 \
+TOKENFUSE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -m "not real" -p no:cacheprovider -n 12 --dist load \
   -k "not lm_eval" --durations=5 tests/test_engine.py tests/test_speculative.py tests/test_exact_calls.py \
   tests/test_unite.py tests/test_contrast.py tests/test_safe.py tests/test_logprobs.py tests/test_trace.py \
   tests/test_sync.py tests/test_adaptive.py tests/test_likelihood.py > "$OUT/tests.txt" 2>&1

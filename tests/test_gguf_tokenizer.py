@@ -316,6 +316,35 @@ def test_cache_is_versioned_and_reused(tmp_path, built, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES + (MARK_TOKENIZER,))
 
 
+@pytest.mark.real
+def test_a_conversion_waits_for_another_holder_of_the_lock_then_uses_its_files(tmp_path, monkeypatch):
+    """While another process converts the model (holds its lock), ensure_converted waits; then it finds
+    the files that one left and converts nothing."""
+    import threading
+
+    name = FAMILIES["smollm2"]
+
+    def no_transformers(*_a, **_k):
+        raise AssertionError("converted although another holder had just built the tokenizer")
+
+    monkeypatch.setattr("tokenfuse.bundled.convert_tokenizer_with_transformers", no_transformers)
+    other = BUNDLED[name].conversion_lock(tmp_path)
+    BUNDLED[name].model_dir(tmp_path).mkdir(parents=True)
+    other.acquire()
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(ensure_converted(name, root=tmp_path, model=False,
+                                                                            progress=False)))
+    try:
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not got  # waiting for the lock
+        out = gt.ensure_tokenizer(name, root=tmp_path, progress=False)  # the other holder's work
+    finally:
+        other.release()
+    waiter.join(30)
+    assert got == [out] and json.loads((out / MARK_TOKENIZER).read_text())["builder"] == "gguf"
+
+
 def test_gguf_parsed_once_shares_one_parse_within_the_block_only():
     """A model conversion's second reader of the same GGUF (transformers builds one for the config, one
     for the tensors) takes the first one's parse; outside the block every reader parses again."""

@@ -112,6 +112,10 @@ class BundledModel:
     def model_dir(self, root: Path) -> Path:
         return root / "models" / self.name
 
+    def conversion_lock(self, root: Path) -> FileLock:
+        """The lock file a conversion of this model into ``root`` holds (one process at a time)."""
+        return FileLock(self.model_dir(root).parent / f".{self.name}.lock")
+
     def is_cached(self, root: Path, *, model: bool = True) -> bool:
         """Whether the tokenizer (current ``TOKENIZER_VERSION``) and, with ``model``, the model are cached."""
         d = self.model_dir(root)
@@ -171,7 +175,7 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     # One conversion at a time per model across processes (two tokenfuse processes, or test workers, on
     # a fresh cache): the second waits, then finds the first one's files.
-    with FileLock(out.parent / f".{name}.lock"):
+    with entry.conversion_lock(root):
         if not entry.is_cached(root, model=model):
             _convert(gguf, out, name, model=model, progress=progress)
     return out
