@@ -8,7 +8,7 @@ tokenizer, so most tests run the real alignment and re-sync logic in millisecond
 exact-output tests then run the members' forwards on a GPU (see docs/benchmarks.md, "On a GPU").
 
 The files run in worker processes (pytest-xdist, ``-n auto`` in pyproject.toml): one per core, at most
-``MAX_WORKERS``, each worker on its own cores.
+``MAX_WORKERS`` and as many as the memory holds, each worker on its own cores.
 """
 
 from __future__ import annotations
@@ -16,15 +16,28 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-MAX_WORKERS = 4  # each worker may hold the real members (about 4.5 GB)
+MAX_WORKERS = 4
+GIB_PER_WORKER = 6  # a worker may hold the real members on both backends (about 4.5 GB) and a test's own
 
 
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def _memory_gib() -> float:
+    """The machine's memory, or the cgroup's limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            total = min(total, int(Path(limit).read_text()))
+        except (OSError, ValueError):  # absent, or "max"
+            pass
+    return total / 2**30
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
-    return max(1, min(MAX_WORKERS, len(_cores())))
+    """``-n auto``: one worker per core, at most ``MAX_WORKERS`` and one per ``GIB_PER_WORKER`` of memory."""
+    return max(1, min(MAX_WORKERS, len(_cores()), int(_memory_gib() // GIB_PER_WORKER)))
 
 
 def _pin_worker() -> None:
@@ -35,7 +48,10 @@ def _pin_worker() -> None:
     if worker and count > 1 and count <= len(cores) and hasattr(os, "sched_setaffinity"):
         share = len(cores) // count
         i = int(worker.removeprefix("gw"))
-        os.sched_setaffinity(0, cores[i * share:(i + 1) * share])
+        try:
+            os.sched_setaffinity(0, cores[i * share:(i + 1) * share])
+        except OSError:  # not allowed here: the workers share the cores
+            pass
 
 
 _pin_worker()
