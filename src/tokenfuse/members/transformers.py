@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ class TransformersMember(LocalMember):
         self.tokenizer = tokenizer
         self.weight = float(weight)
         self.device = next(model.parameters()).device
+        # forward's KV-cache argument: ``cache`` in later transformers 5.x (where ``past_key_values`` warns
+        # and goes in 5.40), ``past_key_values`` before; a forward taking only ``**kwargs`` gets the old name
+        forward = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         text_config = model.config.get_text_config()
         n = getattr(text_config, "max_position_embeddings", None)
@@ -71,7 +76,7 @@ class TransformersMember(LocalMember):
         new = st.all_ids()[st.n_valid :]
         ids = torch.tensor([new], dtype=torch.long, device=self.device)
         keep = st.length - ends[0] + 1  # logits of positions ends[0] - 1 .. length - 1
-        out = self.model(input_ids=ids, past_key_values=st.cache, use_cache=True, logits_to_keep=keep)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_arg: st.cache})
         logits = out.logits[0].float()
         first = st.length - keep
         return [torch.log_softmax(logits[n - 1 - first], dim=-1).cpu() for n in ends]
