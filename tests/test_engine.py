@@ -153,6 +153,39 @@ def test_single_member_matches_transformers_greedy(build, tiny, family, seed):
     assert g.finish_reason == ("end" if ended else "length")
 
 
+class OlderForward(torch.nn.Module):
+    """The same causal LM behind the forward of an older transformers: its KV cache is ``past_key_values``."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.config, self.generation_config = lm, lm.config, lm.generation_config
+        self.caches = []
+
+    def get_input_embeddings(self):
+        return self.lm.get_input_embeddings()
+
+    def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0):
+        self.caches.append(past_key_values)
+        # the cache is the fourth argument under either name (input_ids, attention_mask, position_ids, cache)
+        return self.lm(input_ids, None, None, past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
+
+
+def test_the_kv_cache_goes_by_the_name_the_models_forward_takes(build, tiny, align_cache):
+    """A forward of this transformers gets its cache as it names it (no deprecation warning); one whose
+    forward says ``past_key_values`` gets it so, every call, and decodes the same."""
+    import warnings
+
+    m = tiny("qwen", seed=2, name="new")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        new = build([m]).generate(PROMPTS[1], max_new_tokens=N)
+    wrapped = OlderForward(m.model)
+    old = build([TransformersMember("new", wrapped, m.tokenizer, align_cache=align_cache)]).generate(
+        PROMPTS[1], max_new_tokens=N)
+    assert old.member_ids == new.member_ids and old.output == new.output and old.steps == N
+    assert len(wrapped.caches) == N and all(c is wrapped.caches[0] for c in wrapped.caches) and wrapped.caches[0] is not None
+
+
 # ---------------------------------------------------------------------------------------- 2. weights
 def test_zero_weight_member_changes_nothing_and_stays_in_sync(build, tiny, trio, monkeypatch):
     a, b, _ = trio
