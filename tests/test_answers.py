@@ -268,3 +268,20 @@ def test_auto_takes_mux_and_sc_as_candidates(tiny_pair, data_dir, tmp_path):
     assert len(dev) == 2 and all(len(r["outputs"]) == 2 for r in dev.values())  # k × M = 1 × 2
     cfg = parse_config({"members": [{"name": "s"}, {"name": "q"}]})
     assert chosen_config(cfg, MethodSpec("mux", "answers", ("s", "q"))) is None
+
+
+def test_answer_table_shows_a_row_on_the_tasks_it_sampled_only():
+    """``auto`` that chose ``mux`` on one task and a member on another: its samples and cost are those
+    of the task it sampled on, said in the row's name; a row sampled everywhere is as before."""
+    from tokenfuse.eval.report import answer_lines
+
+    mux = {"a": {"n": 10, "samples_per_item": 6, "seconds": 60.0}, "b": {"n": 10, "samples_per_item": 6, "seconds": 20.0}}
+    results = {"overview": {"mux": {"samples_per_item": 6, "items_per_min": 15.0},
+                            "auto": {"samples_per_item": 6, "items_per_min": 40.0}},
+               "tasks": {"a": {"mux": mux["a"], "auto": {"n": 10, "seconds": 10.0}},
+                         "b": {"mux": mux["b"], "auto": dict(mux["b"])}}}
+    rows = [line for line in answer_lines(results) if line.startswith("| ") and "row" not in line]
+    assert rows == ["| mux | 6 | 15.0 |", "| auto (b only) | 6 | 30.0 |"]
+    assert "samples on some tasks only" in answer_lines(results)[1]
+    del results["overview"]["auto"]
+    assert "samples on some tasks only" not in answer_lines(results)[1]

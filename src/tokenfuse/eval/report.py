@@ -363,12 +363,19 @@ def answer_lines(results: dict) -> list[str]:
     rows = [m for m in ov if "samples_per_item" in ov[m]]
     if not rows:
         return []
+    cells = {m: {t: per[m] for t, per in results["tasks"].items() if m in per} for m in rows}
+    sampled = {m: {t: c for t, c in cells[m].items() if "samples_per_item" in c} for m in rows}
+    partial = [m for m in rows if len(sampled[m]) < len(cells[m])]  # `auto` where it chose an answer row
     out = ["", "Answer-level rows (`mux`, `sc:<member>`; docs/evaluation.md): samples per item and items/min of "
            "the samples each row uses (their cost; the rows share the members' samples, the wall time above "
-           "counts them once):", "", "| row | samples/item | items/min (cost) |", "|---|---|---|"]
+           "counts them once" + ("; a row that samples on some tasks only is shown on those tasks" if partial else "")
+           + "):", "", "| row | samples/item | items/min (cost) |", "|---|---|---|"]
     for m in rows:
-        ipm = "—" if ov[m]["items_per_min"] is None else f"{ov[m]['items_per_min']:.1f}"
-        out.append(f"| {m} | {ov[m]['samples_per_item']:g} | {ipm} |")
+        used = sampled[m].values()
+        secs = sum(c.get("seconds", 0.0) for c in used)
+        ipm = "—" if not secs else f"{sum(c['n'] for c in used) / secs * 60:.1f}"
+        label = f"{m} ({', '.join(sampled[m])} only)" if m in partial else m
+        out.append(f"| {label} | {_mean([c['samples_per_item'] for c in used]):g} | {ipm} |")
     cmp = {t: per["mux"]["vs_best_sc"] for t, per in results["tasks"].items() if "vs_best_sc" in per.get("mux", {})}
     if not cmp:
         return out
