@@ -4,8 +4,12 @@
 #   WHEELS  a folder of wheels to install first (pydantic and its needs, gguf), or empty
 #   TOKCACHE  a .tar.xz of a tokenfuse cache holding models/<name>/{config.json,tokenizer files} of the
 #             bundled models (no weights: the members are their architectures with random weights)
-#   OUT     where the figures go (gpu.txt, tests.txt, cuda.txt, bench.txt, bench.json)
+#   OUT     where the figures go (gpu.txt, tests.txt, cuda.txt, cuda.json, bench.txt, bench.json);
+#           cuda.json is scripts/bench_cuda.py's --json, the shape of docs/benchmarks/gpu-<card>.json
 #   TESTS_ONLY=1  skip the two benchmarks
+#   CUDA_ONLY=1   only scripts/bench_cuda.py (no tokenfuse bench, no tests)
+# Each step has its own timeout (240 + 230 + 150 s at most) and one device command may run 600 s: with
+# less time than the three take, run CUDA_ONLY=1 and TESTS_ONLY=1 as two commands (no tokenfuse bench then).
 # Usage: WHEELS=.whl TOKCACHE=.gpu/cache.tar.xz OUT=/tmp/out bash scripts/gpu_check.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -21,9 +25,12 @@ mkdir -p "$TOKENFUSE_CACHE" && tar xJf "${TOKCACHE:?set TOKCACHE}" -C "$TOKENFUS
   nproc; } 2>&1 | tee "$OUT/gpu.txt"
 M=/tmp/members
 if [ -z "${TESTS_ONLY:-}" ]; then
-# Weight-independent figures (chunk cost, batched streams); builds the random-weight members in $M.
-timeout 150 python3 scripts/bench_cuda.py --out $M --streams 1,4 --max-new-tokens 24 2>&1 \
-  | grep -v -i warn | tee "$OUT/cuda.txt"
+# Weight-independent figures (chunk cost, ms/token alone and GaC, memory, batched streams of 1, 8 and 32
+# prompts); builds the random-weight members in $M.
+timeout 240 python3 scripts/bench_cuda.py --out $M --streams 1,8,32 --prompts 4 --max-new-tokens 24 \
+  --json "$OUT/cuda.json" 2>&1 | grep -v -i warn | tee "$OUT/cuda.txt"
+rc=$?
+[ -n "${CUDA_ONLY:-}" ] && exit $rc
 # The bench's rows on the members' architectures (one round over its prompt set).
 timeout 230 python3 -m tokenfuse.cli bench --backends transformers \
   --models $M/smollm2-135m-instruct,$M/gemma3-270m,$M/qwen2.5-coder-0.5b-instruct \

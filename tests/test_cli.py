@@ -125,6 +125,12 @@ def test_flag_errors_are_one_line(capsys, fake_load, argv, needle):
     (["--repeats", "0"], "--repeats: expected a whole number >= 1"),
     (["--max-new-tokens", "many"], "--max-new-tokens"),
     (["--speculative-k", "0"], "--speculative-k: expected comma-separated whole numbers >= 1"),
+    (["--streams", "0"], "--streams: expected comma-separated whole numbers >= 1 (e.g. 1,8,32); got '0'"),
+    (["--streams", "a"], "--streams: expected comma-separated whole numbers >= 1"),
+    (["--streams", ""], "--streams: expected comma-separated whole numbers >= 1 (e.g. 1,8,32); got ''"),
+    (["--streams", "1,8,0"], "--streams: expected comma-separated whole numbers >= 1"),
+    (["--streams", "1.5"], "--streams: expected comma-separated whole numbers >= 1"),
+    (["--streams"], "argument --streams: expected one argument"),
 ])
 def test_bench_flag_errors_are_one_line(capsys, fake_load, argv, needle):
     code, out, err = run(capsys, "bench", *argv)

@@ -293,6 +293,16 @@ def test_adaptive_params_round_trip():
 
 
 
+def test_multi_seq_is_auto_by_default_and_its_errors_name_the_field():
+    assert parse_config({"members": _members("a")}).members[0].multi_seq == "auto"
+    cfg = parse_config({"members": _members("a", multi_seq=0) + _members("b", multi_seq=64)
+                        + _members("c", multi_seq="auto")})
+    assert [m.multi_seq for m in cfg.members] == [0, 64, "auto"] and parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
+    for bad in (-1, 65, "many", "8", True, 2.5, None):
+        msg = _error({"members": _members("a", multi_seq=bad)})
+        assert msg.startswith("cfg.yaml: members.0.multi_seq: expected `auto` or a number") and msg.count(";") == 0, msg
+
+
 def test_exact_calls_round_trips():
     cfg = parse_config({"members": _members("smollm2-135m-instruct", exact_calls=True, multi_seq=4)})
     assert cfg.members[0].exact_calls and not parse_config({"members": _members("a")}).members[0].exact_calls

@@ -164,26 +164,34 @@ class OlderForward(torch.nn.Module):
     def get_input_embeddings(self):
         return self.lm.get_input_embeddings()
 
-    def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
+                logits_to_keep=0):
         self.caches.append(past_key_values)
         # the cache is the fourth argument under either name (input_ids, attention_mask, position_ids, cache)
-        return self.lm(input_ids, None, None, past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        return self.lm(input_ids, attention_mask, position_ids, past_key_values, use_cache=use_cache,
+                       logits_to_keep=logits_to_keep)
 
 
-def test_the_kv_cache_goes_by_the_name_the_models_forward_takes(build, tiny, align_cache):
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_kv_cache_goes_by_the_name_the_models_forward_takes(build, tiny, align_cache, batched):
     """A forward of this transformers gets its cache as it names it (no deprecation warning); one whose
-    forward says ``past_key_values`` gets it so, every call, and decodes the same."""
+    forward says ``past_key_values`` gets it so, every call, and decodes the same. Unbatched it is
+    the sequence's own cache every call; batched, each call's view of the member's row store."""
     import warnings
 
+    from transformers import Cache
+
     m = tiny("qwen", seed=2, name="new")
+    m = TransformersMember("new", m.model, m.tokenizer, align_cache=align_cache, batched=batched)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         new = build([m]).generate(PROMPTS[1], max_new_tokens=N)
     wrapped = OlderForward(m.model)
-    old = build([TransformersMember("new", wrapped, m.tokenizer, align_cache=align_cache)]).generate(
+    old = build([TransformersMember("new", wrapped, m.tokenizer, align_cache=align_cache, batched=batched)]).generate(
         PROMPTS[1], max_new_tokens=N)
     assert old.member_ids == new.member_ids and old.output == new.output and old.steps == N
-    assert len(wrapped.caches) == N and all(c is wrapped.caches[0] for c in wrapped.caches) and wrapped.caches[0] is not None
+    assert len(wrapped.caches) == N and all(isinstance(c, Cache) for c in wrapped.caches)
+    assert all(c is wrapped.caches[0] for c in wrapped.caches) != batched
 
 
 # ---------------------------------------------------------------------------------------- 2. weights
@@ -191,8 +199,8 @@ def test_zero_weight_member_changes_nothing_and_stays_in_sync(build, tiny, trio,
     a, b, _ = trio
     c = tiny("gemma3", seed=2, name="C0", weight=0.0)
     calls = []
-    original = c._forward
-    monkeypatch.setattr(c, "_forward", lambda st: calls.append(1) or original(st))  # never run at weight 0
+    original = c._forward_batch
+    monkeypatch.setattr(c, "_forward_batch", lambda states: calls.append(1) or original(states))  # never run at weight 0
     for prompt in PROMPTS[:2]:
         ref = build([a, b]).generate(prompt, max_new_tokens=N)
         ens = build([a, b, c])

@@ -1,6 +1,10 @@
 """llama.cpp members with ``exact_calls``: a sequence's numbers do not depend on how its ids are cut
 into decode calls, so the fast paths (one-forward scoring, speculative decoding, the prefix cache)
-give the plain path's numbers bit for bit on the three real bundled GGUF files."""
+give the plain path's numbers bit for bit on the three real bundled GGUF files.
+
+``exact_members`` are configured as a user would (``multi_seq: auto``: one shared context with a KV
+stream per sequence, batched calls); ``context_members`` run the same files with a context per
+sequence (``multi_seq: 0``), the reference for "one by one"."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 from tokenfuse import Ensemble
-from tokenfuse.members.llamacpp import LARGE, SMALL
+from tokenfuse.members.llamacpp import AUTO_SLOTS, LARGE, SMALL, LlamaCppMember
+from tokenfuse.members.llamacpp_cache import Stream
 
 pytestmark = pytest.mark.real
 
@@ -27,8 +32,17 @@ def exact_members():
     from tokenfuse.config import MemberConfig
     from tokenfuse.load import load_member
 
-    return {short: load_member(MemberConfig(name=short, source=full, backend="llamacpp", exact_calls=True),
-                               progress=False) for short, full in SHORT.items()}
+    members = {short: load_member(MemberConfig(name=short, source=full, backend="llamacpp", exact_calls=True),
+                                  progress=False) for short, full in SHORT.items()}
+    assert all(m.multi_seq == AUTO_SLOTS for m in members.values())  # multi_seq "auto" with exact_calls
+    return members
+
+
+@pytest.fixture(scope="module")
+def context_members(exact_members):
+    """The same models with a llama.cpp context per sequence (``multi_seq: 0``)."""
+    return {f: LlamaCppMember(m.name, m.path, m.tokenizer, multi_seq=0, exact_calls=True)
+            for f, m in exact_members.items()}
 
 
 def _fresh(m, prompt_ids, ids=()):
@@ -118,13 +132,13 @@ def test_thread_count_does_not_change_the_numbers(exact_members, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_past_512_cached_positions_neither_cut_nor_threads_change_the_numbers(exact_members, stream_members,
+def test_past_512_cached_positions_neither_cut_nor_threads_change_the_numbers(exact_members, context_members,
                                                                              family):
     """A sequence past 512 cached positions (where llama.cpp's attention splits a one-id call's
     positions among the threads if the KV cache is F16): output ids fed in calls of at most SMALL, one
     id per call on one thread and on two, and fed in shared stream calls beside a short sequence,
     give the same numbers bit for bit."""
-    m, streams = exact_members[family], stream_members[family]
+    m, streams = context_members[family], exact_members[family]
     prompt, ids = m.encode_prompt(PROMPTS[0] + TEXT * 17), m.codec.encode_text(TEXT)[:12]
     assert len(prompt) > 512
     per_thread = []
@@ -175,27 +189,33 @@ def test_speculative_decoding_equals_plain_decoding_bit_for_bit(exact_members, m
             assert 0 < b.accepted <= b.drafted
 
 
-def test_concurrent_batch_equals_one_by_one(exact_members):
+def test_concurrent_batch_equals_one_by_one(exact_members, context_members):
+    """The default with ``exact_calls`` (``multi_seq: auto``): a batch of 4 prompts goes through the
+    shared context's batched calls and gives each prompt's one-by-one output and every member's
+    probabilities at every step (the traces' member entries: the piece's and the top ones) bit for
+    bit — the same models one prompt at a time, each sequence in a context of its own. (The combined
+    probabilities are the combiner's, computed on the batch's rows together: equal up to float
+    rounding.)"""
     ms = [exact_members[f] for f in FAMILIES]
     ens = Ensemble(ms)
-    batch = ens.generate(PROMPTS, max_new_tokens=16)
-    assert [g.output for g in batch] == [ens.generate(p, max_new_tokens=16).output for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def stream_members(exact_members):
-    """The same models with ``multi_seq``: one context, a KV stream per sequence, batched calls."""
-    from tokenfuse.members.llamacpp import LlamaCppMember
-
-    return {f: LlamaCppMember(m.name, m.path, m.tokenizer, multi_seq=4, exact_calls=True)
-            for f, m in exact_members.items()}
+    own = {m.name: len(m._free) + len(m._busy) for m in ms}
+    batch = ens.generate(PROMPTS, max_new_tokens=16, trace=True)
+    for m in ms:  # the shared context ran them (no context of their own made) and got its ids back
+        assert m._multi is not None and len(m._streams) == AUTO_SLOTS and len(m._free) + len(m._busy) == own[m.name]
+    alone = Ensemble([context_members[f] for f in FAMILIES])
+    for p, g in zip(PROMPTS, batch, strict=True):
+        ref = alone.generate(p, max_new_tokens=16, trace=True)
+        assert (g.output, g.member_ids, g.steps) == (ref.output, ref.member_ids, ref.steps)
+        members = [[m.to_dict() for m in t.members] for t in g.trace]
+        assert members == [[m.to_dict() for m in t.members] for t in ref.trace]
+        assert all(m["top"] for t in members for m in t)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_streams_batched_give_one_by_one_numbers(exact_members, stream_members, family):
+def test_streams_batched_give_one_by_one_numbers(exact_members, context_members, family):
     """Four sequences (one with a prompt over two blocks) fed together, then 1, 3, 9 and 2 more ids
     each in shared calls: every row equals the sequence's own one-id calls in its own context."""
-    m, alone = stream_members[family], exact_members[family]
+    m, alone = exact_members[family], context_members[family]
     prompts = [alone.encode_prompt(p) for p in PROMPTS[:3]] + [alone.encode_prompt(PROMPTS[3] + TEXT * 5)]
     assert len(prompts[3]) > 2 * LARGE
     more = [alone.codec.encode_text(TEXT)[:n] for n in (1, 3, 9, 2)]
@@ -204,17 +224,18 @@ def test_streams_batched_give_one_by_one_numbers(exact_members, stream_members, 
     for st, ids in zip(states, more):
         st.ids = list(ids)
     second = m.next_logprobs(states)
+    assert all(isinstance(st.cache, Stream) for st in states)
     for st in states:
         m.release(st)
-    assert sorted(m._free_seq_ids) == [0, 1, 2, 3]
+    assert not m._streams_busy and len(m._streams) == AUTO_SLOTS
     for p, ids, a, b in zip(prompts, more, first, second):
         ref = _fresh(alone, p, ids)
         assert _same(a, ref[0]) and _same(b, ref[-1])
 
 
-def test_streams_ensemble_batch_equals_one_by_one(exact_members, stream_members):
-    ms = [stream_members[f] for f in FAMILIES]
-    plain = Ensemble([exact_members[f] for f in FAMILIES])
+def test_streams_ensemble_batch_equals_one_by_one(exact_members, context_members):
+    ms = [exact_members[f] for f in FAMILIES]
+    plain = Ensemble([context_members[f] for f in FAMILIES])
     prompts = PROMPTS + [PROMPTS[0] + TEXT * 3]
     batch = Ensemble(ms).generate(prompts[:4], max_new_tokens=16)
     for p, g in zip(prompts, batch):
@@ -246,10 +267,10 @@ def test_any_cut_of_the_output_gives_one_id_calls_numbers(exact_members, words, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_streams_logprobs_at_gives_one_id_calls_numbers(exact_members, stream_members, family):
+def test_streams_logprobs_at_gives_one_id_calls_numbers(exact_members, context_members, family):
     """``logprobs_at`` on a stream member (one-forward scoring, speculative verification): 30 output ids
     after a prompt over a block, every position kept = one id per call in a context of its own."""
-    m, alone = stream_members[family], exact_members[family]
+    m, alone = exact_members[family], context_members[family]
     prompt, ids = alone.encode_prompt(PROMPTS[0] + TEXT * 5), alone.codec.encode_text(TEXT)[:30]
     state = m.new_state(prompt)
     state.ids = list(ids)
@@ -259,12 +280,64 @@ def test_streams_logprobs_at_gives_one_id_calls_numbers(exact_members, stream_me
     assert all(_same(a, b) for a, b in zip(rows, _fresh(alone, prompt, ids), strict=True))
 
 
-def test_streams_speculative_and_scoring_equal_the_plain_paths(exact_members, stream_members):
-    ms = [stream_members[f] for f in FAMILIES]
-    plain = Ensemble([exact_members[f] for f in FAMILIES])
+def test_streams_speculative_and_scoring_equal_the_plain_paths(exact_members, context_members):
+    ms = [exact_members[f] for f in FAMILIES]
+    plain = Ensemble([context_members[f] for f in FAMILIES])
     spec = Ensemble(ms, speculative={"k": 4})
     for prompt in PROMPTS[:2]:
         a, b = plain.generate(prompt, max_new_tokens=16), spec.generate(prompt, max_new_tokens=16)
         assert (b.output, b.steps) == (a.output, a.steps) and b.accepted > 0
     requests = [("Question: Which of these animals is a mammal?\\nAnswer:", c) for c in (" the whale", " a trout")]
     assert [r.logprob for r in Ensemble(ms).loglikelihood(requests)] == [r.logprob for r in plain.loglikelihood(requests, stepwise=True)]
+
+
+def test_more_sequences_than_slots_get_contexts_of_their_own(exact_members, context_members):
+    """``multi_seq: 2`` with 5 live sequences: the first 2 new ones take the shared context's ids, the
+    others contexts of their own (nothing waits or fails), every row the one-by-one row; once the
+    first two are released, a new sequence takes a freed id again."""
+    base, alone = exact_members["smollm2"], context_members["smollm2"]
+    m = LlamaCppMember("smol-2", base.path, base.tokenizer, multi_seq=2, exact_calls=True)
+    prompts = [m.encode_prompt(p) for p in PROMPTS] + [m.encode_prompt(PROMPTS[0] + TEXT)]
+    more = m.codec.encode_text(TEXT)[:3]
+    states = [m.new_state(p) for p in prompts]
+    first = m.next_logprobs(states)
+    assert [isinstance(st.cache, Stream) for st in states] == [True, True, False, False, False]
+    for st in states:
+        st.ids = list(more)
+    second = m.next_logprobs(states)
+    states[4].drop_cache_after(len(prompts[4]))  # scoring its output again, in its own context
+    rows = m.logprobs_at(states[4], [len(prompts[4]) + 1, len(prompts[4]) + 3])
+    for p, a, b in zip(prompts, first, second, strict=True):
+        ref = _fresh(alone, p, more)
+        assert _same(a, ref[0]) and _same(b, ref[-1])
+    assert _same(rows[0], ref[1]) and _same(rows[1], ref[3])
+    for st in states[:2]:
+        m.release(st)
+    late = m.new_state(prompts[1])
+    assert _same(m.next_logprobs([late])[0], first[1]) and isinstance(late.cache, Stream)
+    for st in [*states[2:], late]:
+        m.release(st)
+    assert not m._streams_busy and not m._busy
+    m.unload()
+
+
+def test_a_shared_prompt_past_the_sliding_window_is_copied_exactly(exact_members, context_members):
+    """Gemma-3 (sliding-window layers, window 512): three new sequences with the same prompt of over
+    512 ids in one batch — the later two copy the first's stream once its blocks are fed (a whole-stream
+    copy, cell for cell) — and one after the batch reusing a released stream: each gets a fresh
+    prefill's numbers."""
+    m, alone = exact_members["gemma3"], context_members["gemma3"]
+    prompt = m.encode_prompt(PROMPTS[2] + TEXT * 17)
+    assert len(prompt) > m.swa_window > 0 and len(prompt) % LARGE
+    ref = _fresh(alone, prompt)[0]
+    before = dict(m.prefix_stats)
+    states = [m.new_state(prompt) for _ in range(3)]
+    got = m.next_logprobs(states)
+    for st in states:
+        m.release(st)
+    again = m.new_state(prompt)
+    got = [*got, m.next_logprobs([again])[0]]
+    m.release(again)
+    assert m.prefix_stats["copied"] - before["copied"] == 2 and m.prefix_stats["reused"] - before["reused"] == 3
+    assert m.prefix_stats["fed"] - before["fed"] == len(prompt) + 2 * (len(prompt) % LARGE) + 1  # blocks fed once
+    assert all(_same(g, ref) for g in got)

@@ -8,7 +8,7 @@ import ctypes
 import pytest
 
 from tokenfuse import Ensemble
-from tokenfuse.members.llamacpp import BLOCK, LlamaCppMember
+from tokenfuse.members.llamacpp import AUTO_SLOTS, BLOCK, LlamaCppMember, resolve_multi_seq
 
 pytestmark = pytest.mark.real
 
@@ -275,6 +275,17 @@ def test_sequential_and_parallel_forward_agree(llamacpp_members):
     assert a.output == b.output and a.member_ids == b.member_ids
 
 
+def test_multi_seq_auto_is_a_shared_context_with_exact_calls_only(llamacpp_members):
+    """``multi_seq: "auto"`` (the default): ``AUTO_SLOTS`` sequence ids with ``exact_calls`` (batched
+    calls then give the one-by-one numbers), 0 without (a context per sequence); a number as given."""
+    assert (resolve_multi_seq("auto", True), resolve_multi_seq("auto", False)) == (AUTO_SLOTS, 0) and AUTO_SLOTS > 1
+    assert (resolve_multi_seq(0, True), resolve_multi_seq(3, False)) == (0, 3)
+    for bad in ("many", -1, True, 2.0):
+        with pytest.raises(ValueError, match="multi_seq"):
+            resolve_multi_seq(bad, True)
+    assert all(m.multi_seq == 0 for m in llamacpp_members.values())  # loaded from the default config
+
+
 def test_multi_seq_mode_stays_in_sync(llamacpp_members):
     from tokenfuse.members.llamacpp import LlamaCppMember
 
@@ -284,7 +295,7 @@ def test_multi_seq_mode_stays_in_sync(llamacpp_members):
     batch = ens.generate(PROMPTS, max_new_tokens=N)
     for g in batch:
         assert g.steps > 0 and m.codec.decode(g.member_ids[m.name]) == g.output
-    assert sorted(m._free_seq_ids) == [0, 1, 2]  # every sequence id came back
+    assert not m._streams_busy and len(m._streams) == 3  # every sequence id came back
     alone = ens.generate(PROMPTS[0], max_new_tokens=N)  # a single sequence is exact: same as contexts
     assert alone.output == Ensemble([base]).generate(PROMPTS[0], max_new_tokens=N).output
 
@@ -375,6 +386,7 @@ def test_a_build_with_amx_kernels_runs_members_with_exact_calls_and_says_how_to_
         amx = [LlamaCppMember(f"smol-amx{i}", base.path, base.tokenizer) for i in range(2)]
     assert seen == [False, True, True]
     assert not plain.exact_calls and all(m.exact_calls for m in amx)
+    assert plain.multi_seq == 0 and all(m.multi_seq == AUTO_SLOTS for m in amx)  # "auto" follows exact_calls
     advice = [r for r in caplog.records if "AMX" in r.getMessage()]
     assert len(advice) == 1 and advice[0].levelno == logging.WARNING and "scripts/setup.sh" in advice[0].getMessage()
     exact = LlamaCppMember("smol-exact", base.path, base.tokenizer, exact_calls=True)

@@ -119,15 +119,14 @@ def test_chat_logprobs(client, ens):
 def test_end_is_the_end_token(make_tiny, align_cache, monkeypatch):
     m = make_tiny("smollm2", seed=4, name="ender")
     start = len(m.encode_prompt(PROMPTS[0]))
-    forward = m._forward
+    forward = m._forward_batch
     eos = torch.tensor(sorted(m.codec.end_ids))
 
-    def ending(st):  # END after three pieces
-        out = forward(st)
+    def end(st, out):  # END after three pieces
         return torch.log_softmax(out + 40.0 * torch.isin(torch.arange(len(out)), eos), -1) \
             if st.length >= start + 3 else out
 
-    monkeypatch.setattr(m, "_forward", ending)
+    monkeypatch.setattr(m, "_forward_batch", lambda states: [end(st, lp) for st, lp in zip(states, forward(states))])
     with TestClient(create_app(Ensemble([m], align_cache=align_cache))) as c:
         r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "logprobs": 1})
         chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],

@@ -4,6 +4,7 @@ concatenate to the output, and each field checked against the members computed d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -151,16 +152,15 @@ def test_end_is_a_step_with_the_end_token(make_tiny, align_cache, monkeypatch):
     """A member pushed to END after three pieces: the fourth step is END, written as its end token."""
     m = make_tiny("smollm2", seed=4, name="ender")
     start = len(m.encode_prompt(PROMPTS[0]))
-    forward = m._forward
+    forward = m._forward_batch
     eos = sorted(m.codec.end_ids)
 
-    def ending(st):
-        lp = forward(st)
+    def end(st, lp):
         if st.length >= start + 3:
             lp = torch.log_softmax(lp + 40.0 * torch.isin(torch.arange(len(lp)), torch.tensor(eos)), -1)
         return lp
 
-    monkeypatch.setattr(m, "_forward", ending)
+    monkeypatch.setattr(m, "_forward_batch", lambda states: [end(st, lp) for st, lp in zip(states, forward(states))])
     g = Ensemble([m], align_cache=align_cache).generate(PROMPTS[0], max_new_tokens=10, trace=True)
     assert g.finish_reason == "end" and g.steps == 3 and len(g.trace) == 4
     last = g.trace[-1]
@@ -196,10 +196,22 @@ def test_split_characters_go_with_the_step_that_completes_them():
     assert "".join(s.text for s in steps) == out[:4].decode("utf-8", "replace")
 
 
+def close(a, b) -> bool:
+    """Equal, floats within rounding (a batched forward's numbers differ from one row's in the last bits)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-7)
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return all(close(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def test_batch_and_zero_cost_when_off(ens, monkeypatch):
     batch = ens.generate(PROMPTS, max_new_tokens=6, trace=True)
     for p, g in zip(PROMPTS, batch):
-        assert g.trace == ens.generate(p, max_new_tokens=6, trace=True).trace
+        alone = ens.generate(p, max_new_tokens=6, trace=True)
+        assert g.output == alone.output and close(g.trace, alone.trace)
     # trace off: no record is built and the members are asked for nothing more than the combiner needs
     monkeypatch.setattr(decide_module, "record_step", lambda *a, **k: pytest.fail("traced an untraced step"))
     seen = []

@@ -116,6 +116,24 @@ class BundledModel:
         """The lock file a conversion of this model into ``root`` holds (one process at a time)."""
         return FileLock(self.model_dir(root).parent / f".{self.name}.lock")
 
+    def weight_file_bytes(self, root: Path) -> dict[str, int]:
+        """Sizes of its weight files on disk, found without assembling, converting or loading anything:
+        ``gguf``, the GGUF file (what a llama.cpp member maps: its ``Member.weight_bytes``) — assembled in
+        ``<root>/gguf``, else the installed packages' data files it is assembled from —, and, once
+        converted, ``converted``: the fp32 safetensors a transformers member loads (its weights in memory
+        at fp32; half at bf16/fp16). A size that is not on disk is absent."""
+        sizes = {}
+        assembled = root / "gguf" / f"{self.name}.gguf"
+        if assembled.is_file():
+            sizes["gguf"] = assembled.stat().st_size
+        elif self.installed():  # the package's GGUF, or its parts: every data file of 1 MiB or more
+            files = (f for m in self.modules for f in _package_dir(m).rglob("*") if f.is_file())
+            sizes["gguf"] = sum(size for f in files if (size := f.stat().st_size) >= 2**20)
+        converted = sum(f.stat().st_size for f in self.model_dir(root).glob("*.safetensors"))
+        if converted and (self.model_dir(root) / MARK_MODEL).exists():
+            sizes["converted"] = converted
+        return sizes
+
     def is_cached(self, root: Path, *, model: bool = True) -> bool:
         """Whether the tokenizer (current ``TOKENIZER_VERSION``) and, with ``model``, the model are cached."""
         d = self.model_dir(root)

@@ -60,6 +60,14 @@ def _draft_ks(text: str) -> tuple[int, ...]:
     return out
 
 
+def _streams(text: str) -> tuple[int, ...]:
+    """Comma-separated stream counts, each a whole number >= 1: distinct, in increasing order."""
+    items = _items(text)
+    if not items or not all(x.isascii() and x.isdigit() and int(x) >= 1 for x in items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1 (e.g. 1,8,32); got {text!r}")
+    return tuple(sorted({int(x) for x in items}))
+
+
 def _methods(text: str) -> tuple[str, ...]:
     from tokenfuse.combiners import REGISTRY
 
@@ -148,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "--speculative; default 4)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    sub.add_parser("models", help="list the bundled models: installed? converted?")
+    sub.add_parser("models", help="list the bundled models: installed? converted? and the size of their weight "
+                                  "files (the GGUF, the converted fp32 safetensors), without loading them")
 
     b = sub.add_parser("bench", help="ms/token of each member alone, GaC and thresholded GaC, in one run")
     _ensemble_args(b)
@@ -161,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speculative-k", type=_draft_ks, default="4", metavar="K[,K...]",
                    help="a gac-speculative-kK row per value: speculative GaC drafting up to K pieces per round "
                         "(acceptance and outputs identical to the gac row reported; none: no such row)")
+    b.add_argument("--streams", type=_streams, default=(), metavar="N[,N...]",
+                   help="also the streams section: for each N, N prompts (the prompt set cycled) stepped together "
+                        "on the ensemble as configured, tokens/s with the prefill and decode only, the ratio to one "
+                        "stream at a time and how many outputs equal the prompt generated alone (default: none)")
     b.add_argument("--quick", action="store_true",
                    help="reduced run (two prompts, one round, 16 pieces; members alone for the second backend)")
     b.add_argument("--json", dest="json_path", help="also write the rows to this JSON file")
@@ -283,10 +296,13 @@ def _models(args: argparse.Namespace) -> int:
 
     root = cache_dir()
     print(f"cache: {root}")
-    print(f"{'name':30} {'installed':10} {'converted':10} tokenizer")
+    print(f"{'name':30} {'installed':10} {'converted':10} {'GGUF MiB':>9} {'fp32 MiB':>9}  tokenizer")
     for m in BUNDLED.values():
+        sizes = {k: f"{v / 2**20:.1f}" for k, v in m.weight_file_bytes(root).items()}
         print(f"{m.name:30} {'yes' if m.installed() else 'no':10} {'yes' if m.is_cached(root) else 'no':10} "
-              f"{m.tokenizer_family}")
+              f"{sizes.get('gguf', '-'):>9} {sizes.get('converted', '-'):>9}  {m.tokenizer_family}")
+    print("(GGUF: the file a llama.cpp member maps, its weight memory; fp32: the converted safetensors a transformers "
+          "member loads, its weight memory at fp32, half at bf16; '-': not on disk. Nothing is loaded.)")
     import importlib.util
 
     llama = importlib.util.find_spec("llama_cpp") is not None
@@ -304,7 +320,7 @@ def _bench(args: argparse.Namespace) -> int:
     run_bench(cfg, backends=args.backends, max_new_tokens=args.max_new_tokens,
               repeats=1 if args.quick else args.repeats, thresholds=args.thresholds, quick=args.quick,
               json_path=args.json_path, plot_path=args.plot_path, compare_transformers=args.compare_transformers,
-              methods=args.methods, speculative=args.speculative_k)
+              methods=args.methods, speculative=args.speculative_k, streams=args.streams)
     return 0
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
 from tokenfuse.combiners import combiner_class
@@ -26,6 +26,17 @@ from tokenfuse.errors import ConfigError
 # The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
 ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "scoring", "weights",
                     "speculative")
+
+
+def _multi_seq(value: Any) -> Any:
+    """``multi_seq``: ``auto`` or a number of sequence slots (one error naming the field, not one per
+    form it may take)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 64):
+        return value
+    raise ValueError(f"expected `auto` or a number of sequence slots from 0 to 64, got {value!r}")
+
+
+MultiSeq = Annotated[int | Literal["auto"], BeforeValidator(_multi_seq)]
 
 
 class _Strict(BaseModel):
@@ -47,11 +58,14 @@ class MemberConfig(_Strict):
     backend: Literal["auto", "transformers", "llamacpp", "openai"] = "auto"
     weight: float = Field(1.0, ge=0)
     device: str = "auto"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: auto = bfloat16 on CUDA, float32 on CPU
+    batched: bool = True  # transformers: all rows of a step in one forward (false: one forward per sequence)
     trust_remote_code: bool = False
     n_ctx: int = Field(4096, ge=16)  # llamacpp: context length per sequence
     n_threads: int | None = Field(None, ge=1)  # llamacpp: fixed threads (default: the cores shared out per call)
-    multi_seq: int = Field(0, ge=0, le=64)  # llamacpp: >0 = one shared context, batched decode (docs/benchmarks.md)
+    # llamacpp: sequence slots of one shared context, each step's new ids in one batched decode; "auto":
+    # 8 with exact_calls (batched = one by one), else 0 (a context per sequence); docs/configuration.md
+    multi_seq: MultiSeq = "auto"
     prefix_cache: bool = True  # llamacpp: a new sequence reuses the cached keys/values of a shared prefix
     exact_calls: bool = False  # llamacpp: numbers independent of how ids are cut into calls (docs/methods.md)
     score: float | None = None  # e.g. dev accuracy from `tokenfuse select`; picks the default primary member

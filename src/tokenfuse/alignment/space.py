@@ -27,7 +27,8 @@ class VocabSpace:
         names: the members' names, in ensemble order (index ``i`` below is a position in it).
         codecs: each member's ``ByteCodec``.
         union: the union vocabulary and each member's index map.
-        projector: member distribution -> union distribution; entries held under several ids.
+        projector: the rule of a member's probability of union entries (``EntryProbs``): its whole
+            distribution in the union, or given entries' probabilities; entries held under several ids.
         aligner: a union entry -> the member ids whose mass is the member's probability of it.
     """
 

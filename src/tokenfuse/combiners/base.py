@@ -188,15 +188,13 @@ class Combiner(ABC):
         text + END ids.
         """
         space = view.space
-        out = torch.zeros(view.rows, dtype=torch.float64)
+        out = None
         for i, w in normalise(self.weights(view)):
             lp = view.logprobs[i]
-            text = space.projector.maps[i][: lp.shape[-1]] >= 0
-            norm = torch.where(text, lp, torch.full_like(lp, float("-inf"))).logsumexp(-1)
-            for r, e in enumerate(entries):
-                ids = space.aligner.query_ids(i, e)
-                if ids:
-                    out[r] += (w if isinstance(w, float) else float(w[r])) * float((lp[r, ids] - norm[r]).exp().sum())
+            aligned = space.aligner.aligned(i, torch.as_tensor(entries, dtype=torch.int64, device=lp.device))
+            p = space.projector.probs(i, lp, aligned.unsqueeze(-1))[:, 0]
+            term = p * (w if isinstance(w, float) else w.to(p.device))
+            out = term if out is None else out + term.to(out.device)
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -220,7 +218,7 @@ def weighted_average(probs: Sequence[torch.Tensor], weights: Sequence[float | to
         live = [(p, w) for p, w in zip(probs, weights) if not isinstance(w, float | int) or w > 0]
         out = torch.zeros_like(live[0][0])
         for i, w in normalise([(k, w) for k, (_, w) in enumerate(live)]):
-            out.add_(live[i][0] * w.to(out.dtype).unsqueeze(-1))
+            out.add_(live[i][0] * w.to(out).unsqueeze(-1))
         return out
     total = float(sum(w for w in weights if w > 0))
     if total <= 0:

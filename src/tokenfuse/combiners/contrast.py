@@ -105,10 +105,6 @@ class Contrast(Combiner):
             raise ConfigError(f"members.weight: contrast: the expert is the primary member {expert.name!r}, "
                               "which needs a positive weight (or set `primary` to a weighted member)")
         self.names = setup.space.names
-        union, groups = setup.space.union, setup.space.projector.groups
-        self.other = [torch.from_numpy(np.nonzero(m < 0)[0]) for m in union.maps]  # ids neither text nor END
-        self.inverse = [torch.from_numpy(inv) for inv in union.inverse]  # entry -> the member's single id
-        self.grouped = [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]  # entries held under several ids
 
     # ------------------------------------------------------------------ the rule
     def amateurs(self, view: StepView) -> list[tuple[int, float | torch.Tensor]]:
@@ -118,57 +114,28 @@ class Contrast(Combiner):
 
     def plausible(self, pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``V_head`` of each row of the expert's union distribution ``pe``: union entries
-        ``int64[R, C]`` in ascending order (padding: entry 0) and which columns are real ``bool[R, C]``."""
-        rows = pe.numpy()  # numpy: a row's max and nonzero are ~10x faster than torch's here
-        top = rows.max(axis=-1)
+        ``int64[R, C]`` in ascending order (padding: entry 0) and which columns are real ``bool[R, C]``,
+        on ``pe``'s device."""
+        cpu = pe.device.type == "cpu"  # numpy there: a row's max and nonzero are ~10x faster than torch's
+        top = torch.from_numpy(pe.numpy().max(axis=-1)) if cpu else pe.max(dim=-1).values
         if bool((top <= 0).any()):
             raise AlignmentError("contrast: the expert gives no text entry any probability")
-        heads = [np.flatnonzero(row >= self.alpha * t) for row, t in zip(rows, top)]
-        index = torch.zeros(len(heads), max(len(h) for h in heads), dtype=torch.int64)
-        valid = torch.zeros(index.shape, dtype=torch.bool)
-        for r, h in enumerate(heads):
-            index[r, : len(h)] = torch.from_numpy(h)
-            valid[r, : len(h)] = True
+        count, cols = (head_columns_numpy if cpu else head_columns_torch)(pe, self.alpha * top)
+        rows = torch.repeat_interleave(torch.arange(len(count), device=count.device), count)
+        pos = torch.arange(len(rows), device=count.device) - (count.cumsum(0) - count)[rows]
+        index = torch.zeros(len(count), int(count.max()), dtype=torch.int64, device=pe.device)
+        valid = torch.zeros(index.shape, dtype=torch.bool, device=pe.device)
+        index[rows, pos] = cols
+        valid[rows, pos] = True
         return index, valid
 
-    def text_logmass(self, i: int, lp: torch.Tensor) -> torch.Tensor:
-        """Member ``i``'s log-probability mass on its text + END ids ``float64[R]``, its ``lp`` being
-        normalised over its whole vocabulary: 1 minus the mass of its few other ids (special tokens,
-        logit rows past the vocabulary); where those hold half of it or more (1 − x would lose
-        digits), the text + END ids' own sum."""
-        maps = self.space.union.maps[i]
-        other = self.other[i][self.other[i] < lp.shape[-1]]
-        rest = lp[:, other].double().exp().sum(-1) + lp[:, len(maps):].double().exp().sum(-1)
-        if bool((rest < 0.5).all()):
-            return torch.log1p(-rest)
-        text = torch.zeros(lp.shape[-1], dtype=torch.bool)
-        text[: len(maps)] = torch.from_numpy(maps[: lp.shape[-1]] >= 0)
-        return lp[:, text].double().logsumexp(-1)
-
     def amateur_logprobs(self, view: StepView, i: int, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Amateur ``i``'s aligned log-probabilities of the entries ``index`` ``float64[R, C]``
-        (module docstring; padding columns: the floor)."""
+        """Amateur ``i``'s aligned log-probabilities of the entries ``index`` ``float64[R, C]``, on its
+        log-probabilities' device (module docstring; padding columns: the floor)."""
         lp = view.logprobs[i]
-        norm = self.text_logmass(i, lp)
-        rows, cols = valid.nonzero(as_tuple=True)
-        entries = index[rows, cols]
-        inv = self.inverse[i][entries]
-        single = (inv >= 0) & ~torch.isin(entries, self.grouped[i])  # its own one id: no look-up
-        pairs = [(k, tid) for k, e in zip(torch.nonzero(~single).squeeze(1).tolist(), entries[~single].tolist())
-                 for tid in self.space.aligner.query_ids(i, e)]
-        slot, ids = torch.nonzero(single).squeeze(1), inv[single]
-        if pairs:
-            more = torch.tensor(pairs, dtype=torch.int64).T
-            slot, ids = torch.cat([slot, more[0]]), torch.cat([ids, more[1]])
-        out = torch.full(index.shape, FLOOR, dtype=torch.float64)
-        if not len(slot):
-            return out
-        vals = lp[rows[slot], ids].double()
-        top = torch.full((len(rows),), -math.inf, dtype=torch.float64).scatter_reduce(0, slot, vals, "amax")
-        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        mass = torch.zeros(len(rows), dtype=torch.float64).index_add_(0, slot, (vals - shift[slot]).exp())
-        out[rows, cols] = (mass.log() + shift - norm[rows]).clamp_min(FLOOR)
-        return out
+        space = self.space
+        aligned = space.aligner.aligned(i, torch.where(valid, index, -1).to(lp.device))
+        return space.projector.logprobs(i, lp, aligned).clamp_min(FLOOR)
 
     def scores(self, view: StepView) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Each row's ``V_head`` (``plausible``), the scores ``float64[R, C]`` (padding: ``-inf``) and
@@ -178,12 +145,12 @@ class Contrast(Combiner):
                               "at every ensembled step")
         pe = view.project(self.expert)
         index, valid = self.plausible(pe)
-        nan = torch.full(index.shape, math.nan, dtype=torch.float64)
+        nan = torch.full(index.shape, math.nan, dtype=torch.float64, device=index.device)
         expert = torch.where(valid, pe.gather(1, index).double().log(), nan)
         with view.stage("align"):
-            amateurs = [(self.names[i], self.amateur_logprobs(view, i, index, valid), w)
+            amateurs = [(self.names[i], self.amateur_logprobs(view, i, index, valid).to(index.device), w)
                         for i, w in self.amateurs(view)]
-        penalty = sum((w if isinstance(w, float) else w.unsqueeze(-1)) * la for _, la, w in amateurs)
+        penalty = sum((w if isinstance(w, float) else w.to(la.device).unsqueeze(-1)) * la for _, la, w in amateurs)
         score = torch.where(valid, expert - self.beta * penalty, torch.full_like(nan, -math.inf))
         terms = {"score": torch.where(valid, score, nan), f"expert:{self.names[self.expert]}": expert}
         return index, score, terms | {f"amateur:{name}": torch.where(valid, la, nan) for name, la, _ in amateurs}
@@ -201,5 +168,18 @@ class Contrast(Combiner):
         if len(self.weights(view)) == 1:
             return super().piece_probs(view, entries)
         index, score, _ = self.scores(view)
-        hit = (index == torch.tensor(list(entries)).unsqueeze(-1)) & torch.isfinite(score)
+        hit = (index == torch.tensor(list(entries), device=index.device).unsqueeze(-1)) & torch.isfinite(score)
         return torch.where(hit, torch.softmax(score, -1), torch.zeros_like(score)).sum(-1)
+
+
+def head_columns_numpy(pe: torch.Tensor, cut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns of each row of ``pe`` (on a CPU) at or above its ``cut``: their number per row
+    and all of them, row by row, each row ascending."""
+    heads = [np.flatnonzero(row >= c) for row, c in zip(pe.numpy(), cut.numpy())]
+    return torch.tensor([len(h) for h in heads]), torch.from_numpy(np.concatenate(heads))
+
+
+def head_columns_torch(pe: torch.Tensor, cut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``head_columns_numpy`` on ``pe``'s device."""
+    mask = pe >= cut.unsqueeze(-1)
+    return mask.sum(-1), mask.nonzero(as_tuple=True)[1]

@@ -34,7 +34,6 @@ part.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -82,44 +81,47 @@ class UniTE(Combiner):
         rows: list[set[int]] = [set() for _ in range(view.rows)]
         rep = self.union.representable
         for i in view.computed:
-            entries = self.proj.maps[i][view.topk[i][1]]
+            entries = self.union.maps[i][view.topk[i][1].cpu().numpy()]  # (only the top-k ids cross)
             for r, row in enumerate(entries.tolist()):
                 rows[r].update(e for e in row if e >= 0 and rep[e])
         return [sorted(c) for c in rows]
 
-    def member_probs(self, view: StepView, i: int, cands: list[list[int]]) -> np.ndarray:
-        """Member ``i``'s aligned, renormalised probabilities ``float64[R, C]`` (C = longest row)."""
-        width = max(len(c) for c in cands)
-        queries = [[(col, tid) for col, e in enumerate(row) for tid in self.aligner.query_ids(i, e)] for row in cands]
-        n = max(1, max(len(q) for q in queries))
-        ids = np.zeros((len(cands), n), dtype=np.int64)
-        cols = np.full((len(cands), n), width, dtype=np.int64)  # padding goes to a spare column
-        for r, q in enumerate(queries):
-            if q:
-                cols[r, : len(q)], ids[r, : len(q)] = zip(*q)
-        p = np.exp(view.token_logprobs(i, torch.from_numpy(ids)).numpy().astype(np.float64))
-        out = np.stack([np.bincount(c, weights=w, minlength=width + 1)[:width] for c, w in zip(cols, p)])
-        return out / np.maximum(out.sum(-1, keepdims=True), 1e-300)
+    def member_probs(self, view: StepView, i: int, cands: list[list[int]]) -> torch.Tensor:
+        """Member ``i``'s aligned, renormalised probabilities ``float64[R, C]`` (C = longest row;
+        padding columns 0), on the device of its ``token_logprobs``."""
+        aligned = self.aligner.aligned(i, _table(cands))
+        ids = self.proj.ids(i, aligned)  # [R, C, K]
+        lp = view.token_logprobs(i, torch.where(ids == self.proj.vocab(i), 0, ids).flatten(1))
+        p = self.proj.total(i, ids.to(lp.device), lp.view(ids.shape).double().exp())
+        return p / p.sum(-1, keepdim=True).clamp_min(1e-300)
 
     def combine(self, view: StepView) -> Dist:
         cands = self.candidates(view)
         if any(not c for c in cands):
             raise AlignmentError("unite: a sequence has no text candidate in any member's top-k (raise k)")
-        width = max(len(c) for c in cands)
-        index = torch.zeros(len(cands), width, dtype=torch.int64)
-        for r, c in enumerate(cands):
-            index[r, : len(c)] = torch.tensor(c)
-        return Dist(torch.from_numpy(self.average(view, cands).astype(np.float32)), index)
+        probs = self.average(view, cands)
+        return Dist(probs.float(), _table(cands, pad=0).to(probs.device))
 
-    def average(self, view: StepView, cands: list[list[int]]) -> np.ndarray:
-        """The weighted average of the members' aligned, renormalised probabilities ``[R, C]``."""
-        probs = np.zeros((len(cands), max(len(c) for c in cands)))
+    def average(self, view: StepView, cands: list[list[int]]) -> torch.Tensor:
+        """The weighted average of the members' aligned, renormalised probabilities ``float64[R, C]``."""
+        probs = None
         for i, w in normalise(self.weights(view)):
-            probs += (w if isinstance(w, float) else w.numpy()[:, None]) * self.member_probs(view, i, cands)
+            p = self.member_probs(view, i, cands)
+            term = p * (w if isinstance(w, float) else w.to(p.device).unsqueeze(-1))
+            probs = term if probs is None else probs + term.to(probs.device)
         return probs
 
     def piece_probs(self, view: StepView, entries) -> torch.Tensor:
         """A given entry's probability: it joins each row's candidates, then as in ``combine``."""
         cands = [sorted(set(c) | {e}) for c, e in zip(self.candidates(view), entries)]
+        col = torch.tensor([c.index(e) for c, e in zip(cands, entries)])
         probs = self.average(view, cands)
-        return torch.from_numpy(np.array([probs[r, c.index(e)] for r, (c, e) in enumerate(zip(cands, entries))]))
+        return probs.gather(1, col.to(probs.device).unsqueeze(-1))[:, 0]
+
+
+def _table(rows: list[list[int]], pad: int = -1) -> torch.Tensor:
+    """``int64[R, C]`` of ragged rows (C = the longest), padded with ``pad``."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return out

@@ -204,7 +204,9 @@ class Decider:
             with self.timer.stage("choose"):
                 for st in self.strategies:
                     dist = st.reshape(dist)
-                chosen = {r: self.choose(dist, j, seqs[r]) for j, r in enumerate(combined) if result[r] is None}
+                undecided = [(j, r) for j, r in enumerate(combined) if result[r] is None]
+                picks = self.choose(dist, [j for j, _ in undecided], [seqs[r] for _, r in undecided])
+                chosen = {r: e for (_, r), e in zip(undecided, picks)}
                 revised = set().union(*(st.revise(seqs, members, outs, chosen) for st in self.strategies))
                 for r, e in chosen.items():
                     result[r] = Decision(e, ens, gated=gated, vetoed=r in revised)
@@ -253,53 +255,86 @@ class Decider:
 
         A member's first entry is that of its most likely text id, provided no entry it holds under
         several ids (END, duplicate spellings) has more mass and the entry is representable; else
-        the row is not skipped.
+        the row is not skipped. Only each row's top id and a yes/no per row leave the members' device.
         """
-        proj = self.space.projector
         agreed = [-2] * len(seqs)  # -2: no member looked yet
         rep = self.space.union.representable
         for i in members:
             umap = self.space.union.maps[i]
             ids, tops = outs[i].top_text(umap)
             entries = umap[ids]
-            best_group = own = None
-            if proj.group_ids[i].numel():
-                gids = proj.group_ids[i].expand(len(seqs), -1)
-                gp = np.exp(self.members[i].token_logprobs([s.states[i] for s in seqs], gids).numpy())
-                uniq, slot = proj.group_slots_np[i]
-                sums = np.zeros((len(seqs), len(uniq)))
-                for r in range(len(seqs)):
-                    sums[r] = np.bincount(slot, weights=gp[r], minlength=len(uniq))
-                best_group = sums.max(axis=1)
-                own = [sums[r, np.searchsorted(uniq, e)] if e in proj.groups[i] else np.exp(tops[r])
-                       for r, e in enumerate(entries.tolist())]
+            ok = (entries >= 0) & rep[np.maximum(entries, 0)]
+            if self.space.projector.multi(i).numel():
+                ok &= self._beats_multi(i, seqs, entries, tops)
             for r, e in enumerate(entries.tolist()):
-                ok = e >= 0 and rep[e] and (best_group is None or own[r] >= best_group[r])
-                if not ok or agreed[r] not in (-2, e):
+                if not ok[r] or agreed[r] not in (-2, e):
                     agreed[r] = -1
                 elif agreed[r] == -2:
                     agreed[r] = e
         return [max(a, -1) for a in agreed]
 
-    def choose(self, dist: Dist, row: int, s: OpenSequence) -> int:
-        p = dist.probs[row]
-        if not s.sampling.greedy:
-            return dist.entry(row, choose(p, s.sampling, s.generator))
-        arr = p.numpy()
-        col = int(arr.argmax())
-        if np.count_nonzero(arr == arr[col]) > 1:  # exact ties: the primary's preference, then smallest bytes
-            col = self._break_tie(dist, row, np.nonzero(arr == arr[col])[0].tolist(), s)
-        return dist.entry(row, col)
+    def _beats_multi(self, i: int, seqs: list[OpenSequence], entries: np.ndarray, tops: np.ndarray) -> np.ndarray:
+        """Per row: member ``i``'s mass on ``entries`` (the entries of its most likely text ids, whose
+        log-probabilities are ``tops``) is at least that of each entry it holds under several ids."""
+        proj = self.space.projector
+        ids = proj.ids(i, proj.multi(i))  # [M, K]
+        lp = self.members[i].token_logprobs([s.states[i] for s in seqs],
+                                            torch.where(ids == proj.vocab(i), 0, ids).flatten().expand(len(seqs), -1))
+        multi, ids = proj.multi(i, lp.device), ids.to(lp.device)
+        sums = proj.total(i, ids, lp.view(len(seqs), *ids.shape).double().exp())  # [R, M]
+        e = torch.from_numpy(entries).to(lp.device)
+        slot = torch.searchsorted(multi, e).clamp_max(len(multi) - 1)
+        own = torch.where(multi[slot] == e, sums.gather(1, slot.unsqueeze(-1))[:, 0],
+                          torch.from_numpy(tops).to(lp.device).double().exp())
+        return (own >= sums.max(-1).values).cpu().numpy()
+
+    def choose(self, dist: Dist, rows: list[int], seqs: list[OpenSequence]) -> list[int]:
+        """The entry chosen in each of ``dist``'s ``rows`` for its sequence: a draw with the sequence's
+        sampling, or greedy: the argmax, exact ties going to the primary member's preference, then
+        to the smaller bytes. Greedy rows are decided together on the distribution's device; only
+        each row's column (and, on an exact tie, the tied columns) reach the host."""
+        got = [0] * len(rows)
+        greedy = [k for k, s in enumerate(seqs) if s.sampling.greedy]
+        for k, (row, s) in enumerate(zip(rows, seqs)):
+            if not s.sampling.greedy:
+                got[k] = dist.entry(row, choose(dist.probs[row], s.sampling, s.generator))
+        for k, cols in zip(greedy, _argmax_ties(dist.probs, [rows[k] for k in greedy])):
+            col = cols[0] if len(cols) == 1 else self._break_tie(dist, rows[k], cols, seqs[k])
+            got[k] = dist.entry(rows[k], col)
+        return got
 
     def _break_tie(self, dist: Dist, row: int, cols: list[int], s: OpenSequence) -> int:
         i = self.primary
         st = s.states[i]
         if st.logprobs is None:
             return cols[0]
+        entries = torch.tensor([dist.entry(row, c) for c in cols])
+        mass = self.space.projector.masses(i, st.logprobs.unsqueeze(0), entries, log=True)[0].tolist()
+        return max(zip(mass, cols), key=lambda mc: (mc[0], -mc[1]))[1]
 
-        def mass(col: int) -> float:
-            ids = self.space.projector.entry_ids(i, dist.entry(row, col))
-            return float(st.logprobs[ids].exp().sum()) if ids else 0.0
 
-        return max(cols, key=lambda c: (mass(c), -c))
+def _argmax_ties(probs: torch.Tensor, rows: list[int]) -> list[list[int]]:
+    """Per row of ``rows``: the columns holding its largest value, ascending (usually one)."""
+    if not rows:
+        return []
+    if probs.device.type == "cpu":  # numpy: a row's argmax is ~20x faster than torch's on a CPU
+        return [argmax_ties_numpy(probs[row].numpy()) for row in rows]
+    return argmax_ties_torch(probs[torch.tensor(rows, device=probs.device)])
 
+
+def argmax_ties_numpy(arr: np.ndarray) -> list[int]:
+    """The columns of a row ``arr`` holding its largest value, ascending (usually one)."""
+    col = int(arr.argmax())
+    return np.flatnonzero(arr == arr[col]).tolist() if np.count_nonzero(arr == arr[col]) > 1 else [col]
+
+
+def argmax_ties_torch(p: torch.Tensor) -> list[list[int]]:
+    """``argmax_ties_numpy`` of each row of ``p`` on its device: only the columns reach the host."""
+    col = p.argmax(-1, keepdim=True)
+    tied = p == p.gather(1, col)
+    many = tied.sum(-1) > 1
+    out = [[c] for c in col[:, 0].tolist()]
+    if bool(many.any()):
+        for k in torch.nonzero(many)[:, 0].tolist():
+            out[k] = torch.nonzero(tied[k])[:, 0].tolist()
+    return out

@@ -44,9 +44,10 @@ class MemberOutput:
 
     def top_text(self, umap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each row's most likely *text* id (``umap``: the member's id -> union map, ``-1`` = not
-        text) and its log-probability. (numpy: its 1-D argmax is ~20x faster than torch's here.)
-        With top-k output a row whose top-k holds no text id gives its first id (not text). Computed
-        once per map: a step's agreement skip, its strategies and its trace ask for the same rows."""
+        text) and its log-probability, as host arrays ``int64[R]`` and ``float32[R]``: the argmax runs
+        where the log-probabilities are, only those ``R`` ids and values cross to the host. With
+        top-k output a row whose top-k holds no text id gives its first id (not text). Computed once
+        per map: a step's agreement skip, its strategies and its trace ask for the same rows."""
         hit = self._text_tops.get(id(umap))
         if hit is not None and hit[0] is umap:
             return hit[1]
@@ -55,17 +56,46 @@ class MemberOutput:
         return out
 
     def _top_text(self, umap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if self.logprobs is not None:
+        if self.logprobs is not None and self.logprobs.device.type == "cpu":
+            # numpy on a CPU: its 1-D argmax is ~10x faster than torch's, and the array is a view
             arr = self.logprobs.numpy()
             ids = arr.argmax(axis=-1)
             for r, tid in enumerate(ids):
                 if umap[tid] < 0:  # a special token on top: look at text ids only
                     ids[r] = np.where(umap[: arr.shape[-1]] >= 0, arr[r], -np.inf).argmax()
             return ids, arr[np.arange(len(ids)), ids]
-        tlp, tids = self.topk[0].numpy(), self.topk[1].numpy()
+        if self.logprobs is not None:
+            ids, tops = top_text_torch(self.logprobs, umap)
+            return ids.cpu().numpy(), tops.cpu().numpy()
+        tlp, tids = self.topk[0].cpu().numpy(), self.topk[1].cpu().numpy()  # (top-k: a few numbers a row)
         col = (umap[tids] >= 0).argmax(axis=-1)
         rows = np.arange(len(col))
         return tids[rows, col], tlp[rows, col]
+
+
+def top_text_torch(lp: torch.Tensor, umap: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MemberOutput.top_text`` of full log-probabilities ``lp`` on their device: the first most
+    likely text id of each row ``int64[R]`` and its log-probability."""
+    ids = torch.where(_text_mask(umap, lp), lp, -torch.inf).argmax(-1, keepdim=True)
+    return ids[:, 0], lp.gather(1, ids)[:, 0]
+
+
+_TEXT_MASKS: dict[tuple[int, str, int], tuple[np.ndarray, torch.Tensor]] = {}
+
+
+def _text_mask(umap: np.ndarray, lp: torch.Tensor) -> torch.Tensor:
+    """``bool[V]`` on ``lp``'s device: which of ``lp``'s ids are text (rows past the map are not);
+    kept per map, device and width (the last few)."""
+    key = (id(umap), str(lp.device), lp.shape[-1])
+    hit = _TEXT_MASKS.get(key)
+    if hit is None or hit[0] is not umap:
+        mask = np.zeros(lp.shape[-1], dtype=bool)
+        n = min(len(umap), lp.shape[-1])
+        mask[:n] = umap[:n] >= 0
+        hit = _TEXT_MASKS[key] = (umap, torch.from_numpy(mask).to(lp.device))
+        if len(_TEXT_MASKS) > 16:
+            _TEXT_MASKS.pop(next(iter(_TEXT_MASKS)))
+    return hit[1]
 
 
 class MemberPool:

@@ -5,21 +5,53 @@ member, from a tokenizer.json built once out of the same GGUF file (``tokenizer_
 models' own build, ``tokenfuse.members.gguf_tokenizer``; otherwise transformers' conversion, cached). Its ids are the GGUF's ids, and a test checks every id's bytes against
 llama.cpp's own ``token_to_piece``.
 
-Each sequence gets its own llama.cpp context from a per-member pool (contexts share the loaded
-weights), so a sequence's numbers never depend on what else is in the batch, and a batch's sequences
-run side by side, the cores split among them (``side_by_side``, ``tokenfuse.members.side_by_side``). ``multi_seq=N``
-instead puts up to N sequences in one context and decodes all their new tokens in one llama.cpp
-batch: faster for batches, but llama.cpp's batched kernels make the results depend on the batch's
-composition, so batch and one-by-one outputs can differ; it is off by default. Rollback removes cached positions past the common prefix
-(``llama_memory_seq_rm``); logits are requested only for the positions asked for (the last one
-when stepping, several for one-forward scoring). Sliding-window layers
-(Gemma-3) keep their full cache (``swa_full``) so any rollback is possible.
+Where sequences run (``multi_seq``, default ``"auto"``: ``resolve_multi_seq``):
+
+* ``multi_seq=N`` (``"auto"`` with ``exact_calls``: N = ``AUTO_SLOTS``, 8) puts up to N live
+  sequences in one shared context, a sequence id each, and decodes all their new ids in one
+  llama.cpp batch: every batched step — ``next_logprobs`` on many states, whatever each feeds (one
+  id, a catch-up chunk after a re-sync, a prefill) — is one batched call, and ``logprobs_at``
+  (speculative verification, one-forward scoring, PackLLM prompt scoring) feeds its sequence
+  through the same context. A sequence opened while all N ids are live gets a context of its own
+  (below) instead, until it ends; nothing waits and nothing fails. With ``exact_calls`` each
+  sequence id has a KV stream of its own (``n_ctx`` positions) and batched calls give the
+  one-by-one numbers (below), so this is the default there.
+* ``multi_seq=0`` (``"auto"`` without ``exact_calls``): each sequence gets its own llama.cpp
+  context from a per-member pool (contexts share the loaded weights), so a sequence's numbers
+  never depend on what else is in the batch, and a batch's sequences run side by side, the cores
+  split among them (``side_by_side``, ``tokenfuse.members.side_by_side``).
+
+Where llama.cpp's numbers are not the one-by-one numbers (the sequence alone, one id per call
+after its prompt's whole blocks) — only without ``exact_calls``:
+
+* the batch, with ``multi_seq=N`` set explicitly: every batched step (two or more sequences with
+  new ids). They share one KV cache and one call, and llama.cpp's batched kernels make each row
+  depend on the batch's composition (2-3 of 4 continuations identical to one by one in
+  ``scripts/bench_multiseq.py``, 7 of 8 in ``scripts/loadtest.py``); this shared context has no
+  prefix cache either;
+* the cut, with either setting: whatever feeds a sequence several ids in one call — a catch-up
+  chunk after a re-sync, speculative verification and one-forward scoring (``logprobs_at``),
+  PackLLM's prompt chunks — takes other kernels than one-id calls (below: up to 1.5 in a
+  log-probability on the Gemma-3 and Qwen files), so those paths can differ from the stepwise one
+  in a near-tie.
+
+With ``multi_seq=0`` a batch still gives each sequence's numbers alone (contexts of their own; the
+thread count does not change a context's numbers), and the prefix cache a fresh prefill's.
+
+Rollback removes cached positions past the common prefix (``llama_memory_seq_rm``); logits are
+requested only for the positions asked for (the last one when stepping, several for one-forward
+scoring). Sliding-window layers (Gemma-3) keep their full cache (``swa_full``) so any rollback is
+possible.
 
 Prefix cache (``prefix_cache``, on by default): a new sequence starts from the pooled (or a live)
 context sharing the longest prefix of its ids, reusing only what gives a fresh prefill's very
 numbers (``BLOCK``), so a sequence's numbers do not depend on what ran before it either (the
-contexts and these rules: ``tokenfuse.members.llamacpp_cache``). ``unload`` frees the contexts, and
-the model with the last member on it, while llama-cpp-python can still free them.
+contexts and these rules: ``tokenfuse.members.llamacpp_cache``). The shared context with
+``exact_calls`` does the same with its sequence ids: a released one keeps its stream for the next
+sequence sharing its prefix, and a live one's stream is copied whole (llama.cpp copies the buffers
+cell for cell, so unlike a context's copy it is exact past Gemma-3's sliding window too). ``unload``
+frees the contexts, and the model with the last member on it, while llama-cpp-python can still free
+them.
 
 How a sequence is cut into decode calls changes llama.cpp's numbers on this CPU build: a
 one-token call takes other attention kernels than a longer one, the weight matrices of some
@@ -39,8 +71,11 @@ of them, which sums them in another order than a call of 2+ ids or one thread do
 a long sequence would depend on the cut and on the thread count); with BF16 every call takes the
 per-row kernel. A sequence's numbers then do not depend on how its ids were cut into calls nor on
 the threads: one-forward scoring equals the stepwise path and speculative decoding equals plain
-decoding bit for bit. (A build with AMX kernels runs every member with it: ``llamacpp_lib``, which
-also imports the library and routes its log lines.)
+decoding bit for bit. In the shared context (``multi_seq``) each sequence's prompt blocks go in block
+calls of its own and every other id of every sequence in shared calls of at most ``SMALL`` ids,
+which compute each row as that sequence's one-id call does: a batch gives the one-by-one numbers,
+whatever else is in it (``tests/test_exact_calls.py``). (A build with AMX kernels runs every member
+with it: ``llamacpp_lib``, which also imports the library and routes its log lines.)
 """
 
 from __future__ import annotations
@@ -58,7 +93,7 @@ from tokenfuse.errors import ModelLoadError
 from tokenfuse.members.base import LocalMember, SeqState, Shared, common_prefix, cpu_cores
 from tokenfuse.members.codec import load_or_build_codec
 from tokenfuse.members.embeddings import EmbeddingRows
-from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, prompt_head,
+from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, Stream, prompt_head,
                                                reusable_prefix, reusable_prefix_exact, start_at_a_block)
 from tokenfuse.members.llamacpp_lib import LOAD_LOCK, exact_calls_for_build, import_llama_cpp, weights_as_stored
 from tokenfuse.members.side_by_side import SideBySide
@@ -66,6 +101,22 @@ from tokenfuse.members.side_by_side import SideBySide
 # exact_calls' KV cache type, GGML_TYPE_BF16 (llama-cpp-python names no constant for it): keeps a
 # one-id call from the thread-split attention path (F16/F32 keys and values, 512+ cached positions).
 EXACT_KV_TYPE = 30
+# multi_seq "auto" with exact_calls: the shared context's sequence slots (more live sequences than
+# this get contexts of their own, with the same numbers). The loadtest's 8 clients; a stream costs
+# its KV cache (``n_ctx`` positions, BF16: 50-94 MB for the bundled files at 4096), allocated with
+# the shared context on first use.
+AUTO_SLOTS = 8
+
+
+def resolve_multi_seq(multi_seq: int | str, exact_calls: bool) -> int:
+    """The shared context's sequence slots for a ``multi_seq`` setting: an integer as given; ``"auto"``
+    ``AUTO_SLOTS`` with ``exact_calls`` (batched calls then give the one-by-one numbers), else 0 (a
+    context per sequence: without exact_calls a batched call's numbers depend on the batch)."""
+    if multi_seq == "auto":
+        return AUTO_SLOTS if exact_calls else 0
+    if isinstance(multi_seq, bool) or not isinstance(multi_seq, int) or multi_seq < 0:
+        raise ValueError(f"multi_seq: expected \"auto\" or a number of sequence slots >= 0, got {multi_seq!r}")
+    return multi_seq
 
 
 def _put(b: Any, j: int, token: int, pos: int, seq: int) -> None:
@@ -74,13 +125,15 @@ def _put(b: Any, j: int, token: int, pos: int, seq: int) -> None:
 
 
 class LlamaCppMember(LocalMember):
-    """A GGUF model run by llama.cpp, one context per live sequence.
+    """A GGUF model run by llama.cpp: its live sequences in a shared context (``multi_seq``) or a
+    context each (the module docstring).
 
-    ``context_length`` is ``n_ctx``: each sequence's own context holds that many positions.
+    ``context_length`` is ``n_ctx``: each sequence's context (or stream of the shared one) holds that
+    many positions.
     """
 
     def __init__(self, name: str, gguf_path: str | os.PathLike, tokenizer: Any, *, weight: float = 1.0,
-                 n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512, multi_seq: int = 0,
+                 n_ctx: int = 4096, n_threads: int | None = None, n_batch: int = 512, multi_seq: int | str = "auto",
                  prefix_cache: bool = True, exact_calls: bool = False, content_hash: str | None = None,
                  align_cache: Path | None = None) -> None:
         llama_cpp = import_llama_cpp()
@@ -107,7 +160,7 @@ class LlamaCppMember(LocalMember):
         self._lib = llama_cpp
         self._model_users = Shared(self.llm.close).take()  # freed with the last member on it (``unload``)
         self.fixed_threads = n_threads  # None: the member pool's share of the cores (``share_cores``)
-        self._init_state(prefix_cache=prefix_cache, multi_seq=multi_seq, n_ctx=n_ctx)
+        self._init_state(prefix_cache=prefix_cache, multi_seq=resolve_multi_seq(multi_seq, exact_calls), n_ctx=n_ctx)
         self._free = [self._new_slot(self.llm._ctx)]  # pooled contexts, least recently used first
         eos = [self.llm.token_eos()]
         eot = self._lib.llama_vocab_eot(self.llm._model.vocab)
@@ -134,11 +187,13 @@ class LlamaCppMember(LocalMember):
         self._busy: list[Slot] = []
         self.prefix_cache = prefix_cache
         self.prefix_stats = {"sequences": 0, "reused": 0, "copied": 0, "fed": 0}
-        # multi_seq > 0: all sequences share one context with that many sequence ids, and a step
-        # decodes every sequence's new tokens in one llama.cpp batch (opt-in: docs/benchmarks.md, "Batched decoding").
+        # multi_seq > 0: up to that many sequences share one context (a sequence id each), and a step
+        # decodes all their new tokens in one llama.cpp batch; more get contexts of their own
+        # (``_forward_batch``; docs/benchmarks.md, "Batched decoding").
         self.multi_seq = multi_seq
         self._multi: Slot | None = None
-        self._free_seq_ids = list(range(multi_seq - 1, -1, -1))
+        self._streams: list[Stream] = []  # its pooled sequence ids, least recently used first
+        self._streams_busy: list[Stream] = []
         self.context_length = n_ctx
         self.threads = self.fixed_threads or cpu_cores()
         self.side_by_side, self.side, self._stats_lock = True, SideBySide(), threading.Lock()
@@ -176,30 +231,47 @@ class LlamaCppMember(LocalMember):
         return EmbeddingRows(gguf_path=self.path)
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
-        if self.multi_seq:
-            return self._forward_multi(states)
+        if not self.multi_seq:
+            return self._forward_own(states)
+        shared, own, slots = [], [], self._shared_slots_left()
+        for st in states:  # the shared context while it has a sequence id free, then contexts of their own
+            if isinstance(st.cache, Stream) or (st.cache is None and slots > 0):
+                slots -= st.cache is None
+                shared.append(st)
+            else:
+                own.append(st)
+        out = dict(zip(map(id, shared), self._forward_multi(shared) if shared else []))
+        if own:
+            out.update(zip(map(id, own), self._forward_own(own)))
+        return [out[id(st)] for st in states]
+
+    def _forward_own(self, states: list[SeqState]) -> list[torch.Tensor]:
+        """Sequences in contexts of their own: side by side (``tokenfuse.members.side_by_side``)."""
         if not self.side_by_side:
             return super()._forward_batch(states)
         return self.side.run(states, lambda st, n: self._forward(st, threads=n), cores=self.threads,
-                              new=lambda st: st.cache is None)
+                             new=lambda st: st.cache is None)
+
+    def _shared_slots_left(self) -> int:
+        """How many more sequences the shared context takes (``multi_seq`` less its live ones)."""
+        return self.multi_seq - len(self._streams_busy)
 
     def _forward_multi(self, states: list[SeqState]) -> list[torch.Tensor]:
         """One llama.cpp batch for the new tokens of every sequence (one context, one seq id each)."""
-        ctx, batch = self._multi_context()
-        work = [(st, st.all_ids()[self._seq_of(st, ctx) :]) for st in states]
         if self.exact_calls:
-            rows = self._forward_streams(ctx, batch, work)
+            rows = self._forward_streams(states)
             return [rows[id(st), st.length - 1] for st in states]
+        ctx, batch = self._multi_context()
         out: dict[int, torch.Tensor] = {}
-        queue = [(st, seq_ids) for st, seq_ids in work]
+        queue = [(st, st.all_ids()[self._shared_start(st, st.length - 1) :]) for st in states]
         while queue:  # fill batches of at most n_batch tokens; a long prefill spans several
             b, last, used, rest = batch.batch, {}, 0, []
             for st, ids in queue:
-                take = ids[: self.n_batch - used]
+                take, stream = ids[: self.n_batch - used], st.cache
                 for j, tok in enumerate(take):
-                    _put(b, used + j, tok, st.cache[1] + j, st.cache[0])
+                    _put(b, used + j, tok, stream.n + j, stream.seq)
                 if take:
-                    st.cache[1] += len(take)
+                    stream.n += len(take)
                     used += len(take)
                     if len(take) == len(ids):
                         b.logits[used - 1] = True
@@ -215,8 +287,8 @@ class LlamaCppMember(LocalMember):
         return [out[id(st)] for st in states]
 
     def _multi_context(self) -> tuple[Any, Any]:
-        """The shared context of ``multi_seq`` (created on first use): one KV cache for every sequence,
-        or with ``exact_calls`` one KV stream per sequence."""
+        """The shared context of ``multi_seq`` (created on first use, with its ``multi_seq`` sequence
+        ids): one KV cache for every sequence, or with ``exact_calls`` one KV stream per sequence."""
         if self._multi is None:
             from llama_cpp._internals import LlamaBatch, LlamaContext
 
@@ -226,89 +298,102 @@ class LlamaCppMember(LocalMember):
             with LOAD_LOCK:
                 ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
             self._multi = Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
+            self._streams = [Stream(self._multi, seq) for seq in range(self.multi_seq)]
         self._threads_on(self._multi)
         return self._multi.ctx, self._multi.batch
 
-    def _seq_of(self, st: SeqState, ctx: Any) -> int:
-        """Give ``st`` a sequence id of the shared context (``st.cache = [seq, cached]``), crop what it
+    def _shared_start(self, st: SeqState, limit: int) -> int:
+        """Give a new ``st`` a sequence id of the shared context (``_acquire``: with ``exact_calls``
+        one whose stream shares a reusable prefix, of at most ``limit`` ids), crop what its stream
         caches to ``n_valid``; returns how many of its ids are cached."""
         if st.cache is None:
-            if not self._free_seq_ids:
-                raise ModelLoadError(f"member {self.name!r}: more than multi_seq={self.multi_seq} live sequences")
-            st.cache, st.n_valid = [self._free_seq_ids.pop(), 0], 0
+            st.cache = self._acquire(st, limit, shared=True)
         if self.exact_calls:
             start_at_a_block(st)
-        seq, cached = st.cache
-        if cached > st.n_valid:
-            ctx.kv_cache_seq_rm(seq, st.n_valid, -1)
-        st.cache[1] = st.n_valid
-        return st.n_valid
+        stream: Stream = st.cache
+        if stream.n > st.n_valid:
+            stream.crop(st.n_valid)
+        st.n_valid = stream.n
+        with self._stats_lock:
+            self.prefix_stats["fed"] += st.length - stream.n
+        return stream.n
 
-    def _forward_streams(self, ctx: Any, batch: Any, work: list[tuple[SeqState, list[int]]],
-                         want: dict[int, set[int]] | None = None) -> dict[tuple[int, int], torch.Tensor]:
+    def _forward_streams(self, states: list[SeqState], want: dict[int, set[int]] | None = None
+                         ) -> dict[tuple[int, int], torch.Tensor]:
         """``multi_seq`` with ``exact_calls``: each sequence's prompt blocks in block calls of its own,
         then every other id of every sequence in shared calls of at most ``SMALL`` ids — each row is
         computed as a one-id call of that sequence alone computes it (``scripts/measure_batch_invariance.py
-        --exact``), so the batch gives the one-by-one numbers. Returns the log-probabilities after the
-        positions in ``want[id(st)]`` (default: each sequence's last), keyed ``(id(st), position)``."""
-        want = want or {id(st): {st.length - 1} for st, _ in work}
+        --exact``), so the batch gives the one-by-one numbers. A new sequence takes its stream after
+        the sequences before it fed their blocks, so it can copy a prompt one of them shares. Returns
+        the log-probabilities after the positions in ``want[id(st)]`` (default: each sequence's
+        last), keyed ``(id(st), position)``."""
+        ctx, batch = self._multi_context()
+        want = want or {id(st): {st.length - 1} for st in states}
         b, out, queue = batch.batch, {}, []
-        for st, ids in work:
-            seq, start, head = st.cache[0], st.cache[1], prompt_head(st)
+        for st in states:
+            start = self._shared_start(st, min(want[id(st)]))
+            stream, ids, head = st.cache, st.all_ids()[start:], prompt_head(st)
             while start < head:
                 stop, _ = self._call_end(start, st.length, head)
                 for j, tok in enumerate(ids[: stop - start]):
-                    _put(b, j, tok, start + j, seq)
+                    _put(b, j, tok, start + j, stream.seq)
                     b.logits[j] = start + j in want[id(st)]
                 b.n_tokens = stop - start
                 ctx.decode(batch)
                 out.update(((id(st), p), self._logprobs(ctx, p - start)) for p in range(start, stop) if p in want[id(st)])
+                if start == stream.exact:
+                    stream.exact = stop
                 ids, start = ids[stop - start :], stop
-            queue += [(st, seq, start + j, tok) for j, tok in enumerate(ids)]
-            st.cache[1] = st.length
+                stream.n = st.n_valid = stop  # already now, so a later new sequence can copy the blocks
+            queue += [(st, start + j, tok) for j, tok in enumerate(ids)]
         for i in range(0, len(queue), SMALL):
             rows = queue[i : i + SMALL]
-            for j, (st, seq, pos, tok) in enumerate(rows):
-                _put(b, j, tok, pos, seq)
+            for j, (st, pos, tok) in enumerate(rows):
+                _put(b, j, tok, pos, st.cache.seq)
                 b.logits[j] = pos in want[id(st)]
             b.n_tokens = len(rows)
             ctx.decode(batch)
-            out.update(((id(st), pos), self._logprobs(ctx, j)) for j, (st, _, pos, _) in enumerate(rows)
+            out.update(((id(st), pos), self._logprobs(ctx, j)) for j, (st, pos, _) in enumerate(rows)
                        if pos in want[id(st)])
+        for st in states:
+            st.cache.n = st.n_valid = st.length
         return out
 
-    def _acquire(self, st: SeqState, limit: int) -> Slot:
-        """A context for a new sequence; with ``prefix_cache``, the one whose cache shares the longest
-        prefix (of at most ``limit`` ids: the first position whose logits are wanted is fed) with
-        the sequence's ids (a pooled context as is, or a live one's cache copied)."""
+    def _acquire(self, st: SeqState, limit: int, *, shared: bool = False) -> Slot:
+        """A context for a new sequence (``shared``: a sequence id of the shared context, which has
+        one free); with ``prefix_cache``, the one whose cache shares the longest prefix (of at most
+        ``limit`` ids: the first position whose logits are wanted is fed) with the sequence's ids (a
+        pooled one as is, or a live one's cache copied). The shared context reuses prefixes with
+        ``exact_calls`` only (a KV stream per sequence; without it the sequences share one cache)."""
+        free, busy = (self._streams, self._streams_busy) if shared else (self._free, self._busy)
         ids = st.all_ids()
         self.prefix_stats["sequences"] += 1
         slot, reuse = None, 0  # the forward crops the cache to ``reuse`` ids and feeds the rest
-        if self.prefix_cache:
+        if self.prefix_cache and (self.exact_calls or not shared):
             def reusable(cached: list[int], exact: int) -> int:
                 common = common_prefix(cached, ids, limit)
                 if self.exact_calls:
                     return reusable_prefix_exact(common, exact, prompt_head(st), limit)
                 return reusable_prefix(common, exact, len(ids), limit)
 
-            pooled = [reusable(sl.ids, sl.exact) for sl in self._free]
+            pooled = [reusable(sl.ids, sl.exact) for sl in free]
             best = int(np.argmax(pooled)) if pooled else -1
             reuse = pooled[best] if pooled else 0
-            live = [(reusable(sl.cached_ids(), sl.exact), sl) for sl in self._busy if self._copyable(sl)]
+            live = [(reusable(sl.cached_ids(), sl.exact), sl) for sl in busy if shared or self._copyable(sl)]
             donor_n, donor = max(live, key=lambda t: t[0], default=(0, None))
             if donor is not None and donor_n >= reuse + COPY_MIN:
-                slot = self._least_recent()  # gets a copy of the live context's cache
+                slot = self._least_recent(free)  # gets a copy of the live one's cache
                 copied = slot.copy_from(donor, self._lib)
                 reuse = donor_n if copied else 0
                 self.prefix_stats["copied"] += copied
             elif reuse > 0:
-                slot = self._free.pop(best)
+                slot = free.pop(best)
             self.prefix_stats["reused"] += reuse > 0
         if slot is None:
-            slot = self._least_recent()
+            slot = self._least_recent(free)
         st.n_valid = reuse
         slot.owner, slot.ids = st, []
-        self._busy.append(slot)
+        busy.append(slot)
         return slot
 
     def _copyable(self, slot: Slot) -> bool:
@@ -319,21 +404,20 @@ class LlamaCppMember(LocalMember):
         past 512 ids; the test in tests/test_llamacpp.py)."""
         return self.swa_window <= 0 or slot.n <= self.swa_window
 
-    def _least_recent(self) -> Slot:
-        """The pooled context released longest ago, or a new one."""
-        return self._free.pop(0) if self._free else self._new_slot()
+    def _least_recent(self, free: list[Slot]) -> Slot:
+        """The pooled context (or shared sequence id) released longest ago, or a new context."""
+        return free.pop(0) if free else self._new_slot()
 
     def _forward(self, st: SeqState, *, threads: int | None = None) -> torch.Tensor:
         return self._feed(st, [st.length], threads=threads)[0]
 
     def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
-        if not self.multi_seq:
-            return self._feed(st, ends)
+        if not (isinstance(st.cache, Stream) or (st.cache is None and self._shared_slots_left() > 0)):
+            return self._feed(st, ends)  # a context of its own (no multi_seq, or all its sequence ids live)
         if not self.exact_calls:
             return super()._forward_at(st, ends)
-        ctx, batch = self._multi_context()  # the real prompt stays the prompt: the cut rules hold
-        rows = self._forward_streams(ctx, batch, [(st, st.all_ids()[self._seq_of(st, ctx) :])],
-                                     {id(st): {n - 1 for n in ends}})
+        # the real prompt stays the prompt: the cut rules hold
+        rows = self._forward_streams([st], {id(st): {n - 1 for n in ends}})
         return [rows[id(st), n - 1] for n in ends]
 
     def _feed(self, st: SeqState, ends: list[int], *, threads: int | None = None) -> list[torch.Tensor]:
@@ -347,11 +431,8 @@ class LlamaCppMember(LocalMember):
         if self.exact_calls:
             start_at_a_block(st)
         if slot.n > st.n_valid:
-            if not slot.ctx.kv_cache_seq_rm(0, st.n_valid, -1):  # cannot cut here: start over
-                slot.ctx.kv_cache_seq_rm(0, 0, -1)
-                st.n_valid = 0
-            slot.n = st.n_valid
-            slot.exact = min(slot.exact, slot.n)
+            slot.crop(st.n_valid)  # where it cannot cut there: from the start
+            st.n_valid = slot.n
         self._threads_on(slot, threads)
         ids = st.all_ids()
         with self._stats_lock:  # sequences may be fed side by side
@@ -394,34 +475,30 @@ class LlamaCppMember(LocalMember):
     def release(self, state: SeqState) -> None:
         if self.unloaded:  # its contexts are freed already
             state.cache = None
-        if self.multi_seq and isinstance(state.cache, list):
-            self._multi.ctx.kv_cache_seq_rm(state.cache[0], 0, -1)
-            self._free_seq_ids.append(state.cache[0])
-            state.cache = None
         slot = state.cache
         if isinstance(slot, Slot):
-            keep = min(slot.n, state.n_valid) if self.prefix_cache else 0
-            slot.ids = state.all_ids()[:keep]
+            shared = isinstance(slot, Stream)
+            keep = min(slot.n, state.n_valid) if self.prefix_cache and (self.exact_calls or not shared) else 0
             if slot.n > keep:
-                slot.ctx.kv_cache_seq_rm(0, keep, -1)
-            slot.n, slot.owner = keep, None
-            slot.exact = min(slot.exact, keep)
-            self._busy.remove(slot)
-            self._free.append(slot)
+                slot.crop(keep)
+            slot.ids, slot.owner = state.all_ids()[: slot.n], None
+            (self._streams_busy if shared else self._busy).remove(slot)
+            (self._streams if shared else self._free).append(slot)
         super().release(state)
 
     def _unload(self) -> None:
         """Free its contexts, then the model with the last member on it (a self-ensemble's copies share it)."""
         for slot in self._free + self._busy + ([self._multi] if self._multi is not None else []):
             slot.close()
-        self._free, self._busy, self._multi = [], [], None
+        self._free, self._busy, self._multi, self._streams, self._streams_busy = [], [], None, [], []
         self.side.close()
         self._model_users.drop()
 
 
 def load_llamacpp_member(name: str, gguf_path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
-                         weight: float = 1.0, n_ctx: int = 4096, n_threads: int | None = None, multi_seq: int = 0,
-                         prefix_cache: bool = True, exact_calls: bool = False, align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
+                         weight: float = 1.0, n_ctx: int = 4096, n_threads: int | None = None,
+                         multi_seq: int | str = "auto", prefix_cache: bool = True, exact_calls: bool = False,
+                         align_cache: Path | None = None, tokenizer_cache: Path | None = None) -> LlamaCppMember:
     """Load a GGUF with llama.cpp; its tokenizer comes from ``tokenizer_dir`` (tokenizer.json) or,
     when not given, is built once from the GGUF by transformers and cached in ``tokenizer_cache``."""
     import hashlib

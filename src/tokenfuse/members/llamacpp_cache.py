@@ -1,6 +1,7 @@
-"""The llama.cpp member's KV caches: one context per sequence (``Slot``), and how much of a cached
-prefix a new sequence may reuse and still get a fresh prefill's numbers (the prefix cache's rules;
-``tokenfuse.members.llamacpp`` explains why, and holds the member that uses them).
+"""The llama.cpp member's KV caches: one context per sequence (``Slot``) or one sequence id of the
+shared context (``Stream``, ``multi_seq``), and how much of a cached prefix a new sequence may reuse
+and still get a fresh prefill's numbers (the prefix cache's rules; ``tokenfuse.members.llamacpp``
+explains why, and holds the member that uses them).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ LARGE = 64
 
 
 class Slot:
-    """One llama.cpp context holding one sequence's KV cache."""
+    """One llama.cpp context holding one sequence's KV cache (as llama.cpp's sequence ``seq``)."""
+
+    seq = 0
 
     def __init__(self, ctx: Any, batch: Any) -> None:
         self.ctx = ctx
@@ -58,10 +61,38 @@ class Slot:
             self.ctx.kv_cache_seq_rm(0, 0, -1)
         return ok
 
+    def crop(self, n: int) -> None:
+        """Keep the cache's first ``n`` positions (``n`` <= ``self.n``); all of them dropped where
+        llama.cpp cannot cut there."""
+        if not self.ctx.kv_cache_seq_rm(self.seq, n, -1):
+            self.ctx.kv_cache_seq_rm(self.seq, 0, -1)
+            n = 0
+        self.n, self.exact = n, min(self.exact, n)
+
     def close(self) -> None:
         """Free its llama.cpp context and batch now (not when llama-cpp-python's ``__del__`` runs)."""
         self.ctx.close()
         self.batch.close()
+
+
+class Stream(Slot):
+    """One sequence id of the member's shared context (``multi_seq``): with ``exact_calls`` a KV
+    stream of its own (``context_length`` cells). Pooled and reused like a ``Slot``; the context and
+    batch are the shared one's (closed with it, not here)."""
+
+    def __init__(self, shared: Slot, seq: int) -> None:
+        super().__init__(shared.ctx, shared.batch)
+        self.seq = seq
+
+    def copy_from(self, src: Slot, lib: Any) -> bool:
+        """Copy ``src``'s whole stream into this one (llama.cpp copies the buffers cell for cell at
+        its next decode, so the copy holds the very cells, in the same places); True."""
+        self.ctx.kv_cache_seq_cp(src.seq, self.seq, -1, -1)
+        self.n, self.exact = src.n, src.exact
+        return True
+
+    def close(self) -> None:
+        """Nothing to free: the shared context goes with the member's ``Slot`` for it."""
 
 
 def reusable_prefix(common: int, exact: int, total: int, limit: int) -> int:

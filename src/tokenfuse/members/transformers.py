@@ -20,18 +20,28 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class TransformersMember(LocalMember):
-    """A transformers ``AutoModelForCausalLM`` with one ``DynamicCache`` per sequence.
+    """A transformers ``AutoModelForCausalLM``.
+
+    ``batched`` (the default): every sequence's keys and values in one ``RowStore``
+    (``tokenfuse.members.row_cache``) and all the rows of a call fed in one forward, each row with
+    its own length and rollback. ``batched=False``: one ``DynamicCache`` per sequence, one forward
+    each (the numbers of a sequence then never depend on what else is in the batch; see
+    ``row_cache`` for how close the batched numbers are). Models whose attention takes no 4-D mask
+    (attention implementations other than ``sdpa`` and ``eager``) run unbatched.
 
     ``context_length`` is the text config's ``max_position_embeddings`` (``None`` when it has none).
     """
 
     def __init__(self, name: str, model: Any, tokenizer: Any, *, weight: float = 1.0,
-                 content_hash: str | None = None, align_cache: Path | None = None) -> None:
+                 content_hash: str | None = None, align_cache: Path | None = None, batched: bool = True) -> None:
         self.name = name
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.weight = float(weight)
         self.device = next(model.parameters()).device
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.batched = bool(batched) and attn in ("sdpa", "eager")
+        self._store = None  # the RowStore, made at the first batched forward
         # forward's KV-cache argument: ``cache`` in later transformers 5.x (where ``past_key_values`` warns
         # and goes in 5.40), ``past_key_values`` before; a forward taking only ``**kwargs`` gets the old name
         forward = inspect.signature(model.forward).parameters
@@ -52,19 +62,59 @@ class TransformersMember(LocalMember):
         """The model's own input-embedding weight (never copied)."""
         return EmbeddingRows(tensor=self.model.get_input_embeddings().weight)
 
+    def release(self, state: SeqState) -> None:
+        """Free a finished sequence's cache (its slot of the row store goes back at once)."""
+        free = getattr(state.cache, "free", None)
+        if free is not None:
+            free()
+        super().release(state)
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the batched key/value store now (0 unbatched: those caches are the sequences')."""
+        return self._store.nbytes() if self._store is not None else 0
+
     def _unload(self) -> None:
         """Drop the model: its weights are freed once no member holds it (a self-ensemble's copies share it)."""
         self.model = None
+        if self._store is not None:
+            self._store.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _forward(self, st: SeqState) -> torch.Tensor:
         return self._forward_at(st, [st.length])[0]
 
-    @torch.inference_mode()
+    def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
+        """Every state's pending ids: batched, one forward for the rows with one id pending and one
+        for each group of longer ones (``row_cache.batches``); else one forward per state."""
+        if not self.batched:
+            return super()._forward_batch(states)
+        from tokenfuse.members.row_cache import batches
+
+        out: list[torch.Tensor | None] = [None] * len(states)
+        for group in batches(states):
+            rows = self._rows([states[r] for r in group], [[states[r].length] for r in group])
+            for r, got in zip(group, rows):
+                out[r] = got[0]
+        return out
+
     def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
-        """Crop the cache to ``n_valid``, feed the rest in one forward, keep the logits from the first
-        wanted position on."""
+        if self.batched:
+            return self._rows([st], [ends])[0]
+        return self._forward_one(st, ends)
+
+    @torch.inference_mode()
+    def _rows(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
+        from tokenfuse.members.row_cache import RowStore, forward_rows
+
+        if self._store is None:
+            self._store = RowStore(self.device)
+        return forward_rows(self.model, self._store, states, ends, cache_arg=self._cache_arg)
+
+    @torch.inference_mode()
+    def _forward_one(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
+        """Unbatched: crop the sequence's own cache to ``n_valid``, feed the rest in one forward, keep
+        the logits from the first wanted position on."""
         from transformers import DynamicCache
 
         if st.cache is None:
@@ -82,6 +132,14 @@ class TransformersMember(LocalMember):
         return [torch.log_softmax(logits[n - 1 - first], dim=-1).cpu() for n in ends]
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on CUDA (half the weight reads of float32), float32 elsewhere (CPU kernels
+    for bfloat16 are slower, and the tests' exact numbers are float32's); other names as given."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 def load_transformers_member(
     name: str,
     source: str,
@@ -89,20 +147,23 @@ def load_transformers_member(
     gguf_file: str | None = None,
     weight: float = 1.0,
     device: str = "auto",
-    dtype: str = "float32",
+    dtype: str = "auto",
     trust_remote_code: bool = False,
     align_cache: Path | None = None,
     tokenizer: Any = None,
+    batched: bool = True,
 ) -> TransformersMember:
     """Load a member from a hub id, a local directory (safetensors) or a GGUF file.
 
+    ``dtype``: ``auto`` is bfloat16 on CUDA and float32 on the CPU (``resolve_dtype``).
     ``tokenizer``: an already loaded tokenizer to use instead of ``AutoTokenizer`` (the bundled
-    models pass the fast ``FastTokenizer``).
+    models pass the fast ``FastTokenizer``). ``batched``: see ``TransformersMember``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype(dtype, device)
     path = Path(source).expanduser()
     if gguf_file is None and path.suffix == ".gguf" and path.is_file():
         path, gguf_file = path.parent, path.name
@@ -126,6 +187,6 @@ def load_transformers_member(
     tj = Path(where) / "tokenizer.json"
     content_hash = hashlib.sha256(tj.read_bytes()).hexdigest() if (tj.is_file() and not gguf_file) else None
     member = TransformersMember(name, model, tokenizer, weight=weight, content_hash=content_hash,
-                                align_cache=align_cache)
+                                align_cache=align_cache, batched=batched)
     member.load_seconds = time.perf_counter() - t0
     return member

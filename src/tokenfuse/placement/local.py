@@ -80,7 +80,7 @@ def share_member(first: Member, cfg: MemberConfig, *, root: Path | None = None, 
     root = cache_dir(root)
     if isinstance(first, TransformersMember):
         member = TransformersMember(cfg.name, first.model, first.tokenizer, weight=cfg.weight,
-                                    align_cache=root / "alignment")
+                                    align_cache=root / "alignment", batched=first.batched)
     elif isinstance(first, LlamaCppMember):
         member = LlamaCppMember.sharing(first, cfg.name, weight=cfg.weight)
     else:
@@ -127,6 +127,7 @@ def _load(cfg: MemberConfig, *, root: Path, progress: bool, index: int) -> Membe
     return load_transformers_member(
         cfg.name, source, gguf_file=cfg.gguf_file, weight=cfg.weight, device=cfg.device, dtype=cfg.dtype,
         trust_remote_code=cfg.trust_remote_code, align_cache=root / "alignment", tokenizer=tokenizer,
+        batched=cfg.batched,
     )
 
 

@@ -129,9 +129,9 @@ class DeePEnCombiner(Combiner):
         return Dist(p, self.index[: p.shape[-1]].expand(p.shape[0], -1))
 
     def piece_probs(self, view: StepView, entries: Sequence[int]) -> torch.Tensor:
+        """The main member's fused probability of each row's entry (aligned as in UniTE: the first
+        sub-token's where it has no such token), ``float64[R]``."""
         p = self._probs(self._fused(view))
-        out = torch.zeros(len(entries), dtype=torch.float64)
-        for r, e in enumerate(entries):
-            ids = [t for t in view.space.aligner.query_ids(self.main, e) if t < p.shape[-1]]
-            out[r] = float(p[r, ids].sum()) if ids else 0.0
-        return out
+        space = view.space
+        aligned = space.aligner.aligned(self.main, torch.tensor(list(entries), dtype=torch.int64, device=p.device))
+        return space.projector.masses(self.main, p, aligned.unsqueeze(-1))[:, 0].double()

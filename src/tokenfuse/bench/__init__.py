@@ -14,9 +14,17 @@ counts decode only: wall time from the first chosen piece (prompt prefill done) 
 by the pieces after the first; stages likewise. ``ensembled_share`` is over all steps of the
 generation; ``skip_share`` is the share of ensembled steps decided by agreement skip.
 
-The load section: each member's warm load time, each bundled model's tokenizer built fresh from its
-GGUF and loaded from the cache (``tokenizer_times``; with ``compare_transformers`` also the
-transformers conversion it replaced), the alignment build cold and cached, and the warm start.
+The load section: each member's warm load time and weight memory (``member_memory``), each bundled
+model's tokenizer built fresh from its GGUF and loaded from the cache (``tokenizer_times``; with
+``compare_transformers`` also the transformers conversion it replaced), the alignment build cold and
+cached, and the warm start.
+
+With ``streams`` (``--streams 1,8,32``), the streams section (``measure_streams``): for each count N,
+N prompts (the prompt set cycled) stepped together, as ``Ensemble.generate`` steps a list of prompts
+(every member gets the rows of all unfinished sequences in one ``next_logprobs`` call), against the
+same prompts generated one at a time: tokens/s with the prefill and decode-only, the ratio, and how
+many of the N outputs equal the prompt's output generated alone (``tokenfuse.bench.streams``). Without
+it nothing of this runs.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tokenfuse.bench.streams import (cuda_allocated_bytes, cuda_peak_mb, measure_streams, member_memory, print_streams,
+                                     streams_figures)
 from tokenfuse.config import EnsembleConfig
 from tokenfuse.engine import Ensemble
 from tokenfuse.engine.timer import STAGES
@@ -71,6 +81,14 @@ def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int, trace: Trace
     stages = {k: 1000 * v / n for k, v in ens.timer.since(before, wall).items() if k in STAGE_KEYS}
     return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, "skip": s.skipped, "drafted": s.drafted,
             "accepted": s.accepted, "output": bytes(s.output), **stages}
+
+
+def decode_ms_per_token(ens: Ensemble, prompts, max_new_tokens: int, *, rounds: int = 1) -> float:
+    """The bench rows' measure for one ensemble alone: the median decode ms per token over ``prompts``,
+    ``rounds`` times each, after one warm-up generation (NaN if no generation had two pieces)."""
+    ens.generate(prompts[0], max_new_tokens=4)
+    ms = [x["ms"] for _ in range(rounds) for p in prompts if (x := _decode_sample(ens, p, max_new_tokens)) is not None]
+    return statistics.median(ms) if ms else float("nan")
 
 
 def _rss_mb() -> float:
@@ -151,7 +169,10 @@ def tokenizer_times(names, *, root: Path, compare_transformers: bool = False) ->
 def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max_new_tokens: int = 32,
               repeats: int = 3, thresholds=(0.3, 0.5, 0.7), quick: bool = False, json_path: str | None = None,
               plot_path: str | None = None, methods=("gac", "unite"), compare_transformers: bool = False,
-              speculative=(4,)) -> dict:
+              speculative=(4,), streams=()) -> dict:
+    """The bench (the module's docstring says what it measures); ``streams``: the stream counts of
+    the streams section (``measure_streams``, on each backend's ensemble as configured; with
+    ``quick``, the first backend's only), none by default."""
     from tokenfuse.bundled import BUNDLED, MARK_MODEL
     from tokenfuse.load import ensemble_from_members
     from tokenfuse.paths import cache_dir
@@ -164,6 +185,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     rows: list[dict] = []
     loads: dict[str, dict] = {}
     union_times: dict[str, dict] = {}
+    stream_targets: list[tuple[str, Ensemble]] = []  # (name, ensemble) of each streams section
     tokenizers = tokenizer_times([m.resolved_source for m in cfg.members], root=root,
                                  compare_transformers=compare_transformers)
     for backend in backends:
@@ -171,12 +193,14 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
         members = []
         firsts = shared_with(bcfg.members)
         for i, mc in enumerate(bcfg.members):
-            t0 = time.perf_counter()
+            t0, cuda_before = time.perf_counter(), cuda_allocated_bytes()
             if firsts[i] == i:
                 m = load_member(mc, root=root, index=i)
             else:  # a self-ensemble's copy, on the model loaded for the first
                 m = share_member(members[firsts[i]], mc, root=root, index=i)
-            entry = {"warm_load_s": round(time.perf_counter() - t0, 3)}
+            entry = {"warm_load_s": round(time.perf_counter() - t0, 3), **member_memory(m, cuda_before)}
+            if firsts[i] != i:
+                entry["shares_weights_of"] = members[firsts[i]].name
             src = mc.resolved_source
             if backend == "transformers" and src in BUNDLED:
                 mark = BUNDLED[src].model_dir(root) / MARK_MODEL
@@ -211,6 +235,10 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
                 add(f"gac-speculative-k{k}", method="gac", speculative={"k": k})
             for t in thresholds:
                 add(f"gac-t{t}", method="gac", gate=members[0].name, threshold=t)
+            if streams:  # the ensemble as configured (--method, --gate ...)
+                stream_targets.append((f"{backend}:{_label(bcfg)}", base.variant(bcfg.options)))
+        elif streams and len(members) == 1 and not (quick and backend != backends[0]):
+            stream_targets.append((rows[-1]["name"], rows[-1]["ens"]))
 
     for r in rows:  # warm-up
         r["ens"].generate(prompts[0], max_new_tokens=4)
@@ -224,6 +252,9 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
                     r["rss"] = _rss_mb()
                     bar.update(1)
 
+    sections = [{"config": name, **measure_streams(ens, prompts, streams, max_new_tokens=max_new_tokens,
+                                                   rounds=repeats)} for name, ens in stream_targets]
+
     table = [_table_row(r) for r in rows]
     _add_floors(table)
     _add_identical(table, rows)
@@ -231,12 +262,23 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
               "union_size": max(len(r["ens"].union) for r in rows),
               "max_new_tokens": max_new_tokens, "repeats": repeats, "prompts": len(prompts),
               "warm_start_s": round(warm_start_seconds(_with_backend(cfg, backends[0])), 2)}
+    if (peak := cuda_peak_mb(*sections)) is not None:
+        result["cuda_max_allocated_mb"] = peak
+    if sections:  # the first section's figures by count; every section in streams_detail
+        result |= {"streams_config": sections[0]["config"], **streams_figures(sections[0]),
+                   "streams_detail": sections}
     _print(result)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
     if plot_path:
         plot(result, plot_path)
     return result
+
+
+def _label(cfg: EnsembleConfig) -> str:
+    """The method of a config, with its gate and threshold when it has them: ``gac``, ``gac-t0.5``."""
+    o = cfg.options
+    return o.method + (f"-t{o.threshold}" if o.gate is not None and o.threshold is not None else "")
 
 
 def _table_row(r: dict) -> dict:
@@ -327,11 +369,17 @@ def _print(result: dict) -> None:
         print(f"{r['name']:48} {r['ms_per_token']:8.2f} {r['ms_per_token_p90']:8.2f} {r['tokens_per_s']:7.2f} "
               f"{r['stage_ms']['forward']:8.2f} {100 * r['outside_forward_share']:7.2f}% "
               f"{100 * r['ensembled_share']:5.1f}% {100 * r['skip_share']:5.1f}%  {ref}")
-    print("\nloads (s):", json.dumps(result["loads"]))
+    for section in result.get("streams_detail", []):
+        print_streams(section["config"], section)
+    print("\nloads (s):", json.dumps({k: {n: v for n, v in e.items() if n.endswith("_s")}
+                                      for k, e in result["loads"].items()}))
+    print("member memory (MiB; weights: Member.weight_bytes, cuda: allocated by its load):", json.dumps(
+        {k: {n: v for n, v in e.items() if not n.endswith("_s")} for k, e in result["loads"].items()}))
     print("tokenizer builds (s):", json.dumps(result["tokenizers"]))
     print(f"union: {result['union_size']} entries; build (s): {json.dumps(result['union'])}")
     print(f"warm start, process start to first token: {result['warm_start_s']} s; "
-          f"peak RSS {max(r['peak_rss_mb'] for r in rows)} MB")
+          f"peak RSS {max(r['peak_rss_mb'] for r in rows)} MB"
+          + (f", CUDA peak allocated {result['cuda_max_allocated_mb']} MiB" if "cuda_max_allocated_mb" in result else ""))
 
 
 def plot(result: dict, path: str) -> None:
