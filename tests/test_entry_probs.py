@@ -431,3 +431,25 @@ def test_agreement_skip_on_constructed_rows(members, ens, space):
         got_ids, got_tops = outs[i].top_text(union.maps[i])
         assert got_ids.tolist() == want_ids.tolist() and np.array_equal(got_tops, want_tops)
     assert int(top_text_torch(lps[QWEN], union.maps[QWEN])[0][4]) == token(space, QWEN, b" the")
+
+
+def test_a_top_id_with_half_the_mass_skips_the_multi_id_masses(members, ens, space, monkeypatch):
+    """Where a member's top text id holds half its mass or more, no entry held under several ids can
+    hold more, so the agreement needs no multi-id masses for that row: the same answers as the former
+    rule, the masses asked only for the other rows."""
+    union = space.union
+    the, dup = entry(space, b" the"), shared_multi(space)
+    z = {i: logits(space, i, 4, 60 + i, 1.0) for i in range(3)}
+    for i in range(3):
+        z[i][:, token(space, i, b" the")] = 8.0
+        z[i][:2, token(space, i, b" the")] = 30.0  # rows 0, 1: p(" the") ~ 1
+    z[GEMMA][1, space.projector.entry_ids(GEMMA, dup)] = 29.0  # 2 e^29 < e^30: still " the"
+    z[GEMMA][3, space.projector.entry_ids(GEMMA, dup)] = 7.8  # 2 e^7.8 > e^8, both far below half
+    lps = {i: torch.log_softmax(z[i], -1) for i in range(3)}
+    seqs = [SimpleNamespace(states=[SeqState(prompt_ids=[], logprobs=lps[i][r]) for i in range(3)]) for r in range(4)]
+    outs = {i: MemberOutput(logprobs=lps[i]) for i in range(3)}
+    asked = []
+    beats = ens.decider._beats_multi
+    monkeypatch.setattr(ens.decider, "_beats_multi", lambda i, s, e, t: asked.append(len(s)) or beats(i, s, e, t))
+    assert ens.decider.agreement(seqs, [0, 1, 2], outs) == [the, the, the, -1] == old_agreement(union, [0, 1, 2], lps)
+    assert asked and all(n == 2 for n in asked)  # rows 2 and 3 only, for each member holding multi-id entries

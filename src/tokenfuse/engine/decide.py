@@ -29,6 +29,7 @@ are asked for at least the trace's k tokens. Untraced groups do none of this.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -48,6 +49,7 @@ from tokenfuse.engine.trace import record_step
 from tokenfuse.members.base import Member, SeqState
 
 Group = tuple[list[int], list[int]]  # (rows of the batch, the members that decide them)
+SURE = math.log(0.5) + 1e-6  # a text id at least this likely holds more mass than any other entry
 
 
 class Decider:
@@ -265,7 +267,11 @@ class Decider:
             entries = umap[ids]
             ok = (entries >= 0) & rep[np.maximum(entries, 0)]
             if self.space.projector.multi(i).numel():
-                ok &= self._beats_multi(i, seqs, entries, tops)
+                # a top id with half the mass or more beats every other entry (they share the rest): only
+                # the other rows need the multi-id masses (a margin covers the float32 rounding of ``tops``)
+                unsure = np.flatnonzero(ok & (tops < SURE))
+                if unsure.size:
+                    ok[unsure] &= self._beats_multi(i, [seqs[r] for r in unsure], entries[unsure], tops[unsure])
             for r, e in enumerate(entries.tolist()):
                 if not ok[r] or agreed[r] not in (-2, e):
                     agreed[r] = -1
