@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 from tokenfuse import Ensemble
-from tokenfuse.members.llamacpp import AUTO_SLOTS, LARGE, SMALL, LlamaCppMember
+from tokenfuse.members.llamacpp import LARGE, SMALL, LlamaCppMember
+from tokenfuse.members.llamacpp_shared import AUTO_SLOTS
 from tokenfuse.members.llamacpp_cache import Stream
 
 pytestmark = pytest.mark.real

@@ -8,7 +8,8 @@ import ctypes
 import pytest
 
 from tokenfuse import Ensemble
-from tokenfuse.members.llamacpp import AUTO_SLOTS, BLOCK, LlamaCppMember, resolve_multi_seq
+from tokenfuse.members.llamacpp import BLOCK, LlamaCppMember
+from tokenfuse.members.llamacpp_shared import AUTO_SLOTS, resolve_multi_seq
 
 pytestmark = pytest.mark.real
 

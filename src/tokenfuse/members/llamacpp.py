@@ -5,7 +5,7 @@ member, from a tokenizer.json built once out of the same GGUF file (``tokenizer_
 models' own build, ``tokenfuse.members.gguf_tokenizer``; otherwise transformers' conversion, cached). Its ids are the GGUF's ids, and a test checks every id's bytes against
 llama.cpp's own ``token_to_piece``.
 
-Where sequences run (``multi_seq``, default ``"auto"``: ``resolve_multi_seq``):
+Where sequences run (``multi_seq``, default ``"auto"``: ``llamacpp_shared.resolve_multi_seq``):
 
 * ``multi_seq=N`` (``"auto"`` with ``exact_calls``: N = ``AUTO_SLOTS``, 8) puts up to N live
   sequences in one shared context, a sequence id each, and decodes all their new ids in one
@@ -96,35 +96,13 @@ from tokenfuse.members.embeddings import EmbeddingRows
 from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, Stream, prompt_head,
                                                reusable_prefix, reusable_prefix_exact, start_at_a_block)
 from tokenfuse.members.llamacpp_lib import LOAD_LOCK, exact_calls_for_build, import_llama_cpp, weights_as_stored
+from tokenfuse.members.llamacpp_shared import SharedContext, put_token, resolve_multi_seq
 from tokenfuse.members.side_by_side import SideBySide
 
 # exact_calls' KV cache type, GGML_TYPE_BF16 (llama-cpp-python names no constant for it): keeps a
 # one-id call from the thread-split attention path (F16/F32 keys and values, 512+ cached positions).
 EXACT_KV_TYPE = 30
-# multi_seq "auto" with exact_calls: the shared context's sequence slots (more live sequences than
-# this get contexts of their own, with the same numbers). The loadtest's 8 clients; a stream costs
-# its KV cache (``n_ctx`` positions, BF16: 50-94 MB for the bundled files at 4096), allocated with
-# the shared context on first use.
-AUTO_SLOTS = 8
-
-
-def resolve_multi_seq(multi_seq: int | str, exact_calls: bool) -> int:
-    """The shared context's sequence slots for a ``multi_seq`` setting: an integer as given; ``"auto"``
-    ``AUTO_SLOTS`` with ``exact_calls`` (batched calls then give the one-by-one numbers), else 0 (a
-    context per sequence: without exact_calls a batched call's numbers depend on the batch)."""
-    if multi_seq == "auto":
-        return AUTO_SLOTS if exact_calls else 0
-    if isinstance(multi_seq, bool) or not isinstance(multi_seq, int) or multi_seq < 0:
-        raise ValueError(f"multi_seq: expected \"auto\" or a number of sequence slots >= 0, got {multi_seq!r}")
-    return multi_seq
-
-
-def _put(b: Any, j: int, token: int, pos: int, seq: int) -> None:
-    """Write one token into position ``j`` of a llama.cpp batch (no logits requested)."""
-    b.token[j], b.pos[j], b.seq_id[j][0], b.n_seq_id[j], b.logits[j] = token, pos, seq, 1, False
-
-
-class LlamaCppMember(LocalMember):
+class LlamaCppMember(SharedContext, LocalMember):
     """A GGUF model run by llama.cpp: its live sequences in a shared context (``multi_seq``) or a
     context each (the module docstring).
 
@@ -252,113 +230,6 @@ class LlamaCppMember(LocalMember):
         return self.side.run(states, lambda st, n: self._forward(st, threads=n), cores=self.threads,
                              new=lambda st: st.cache is None)
 
-    def _shared_slots_left(self) -> int:
-        """How many more sequences the shared context takes (``multi_seq`` less its live ones)."""
-        return self.multi_seq - len(self._streams_busy)
-
-    def _forward_multi(self, states: list[SeqState]) -> list[torch.Tensor]:
-        """One llama.cpp batch for the new tokens of every sequence (one context, one seq id each)."""
-        if self.exact_calls:
-            rows = self._forward_streams(states)
-            return [rows[id(st), st.length - 1] for st in states]
-        ctx, batch = self._multi_context()
-        out: dict[int, torch.Tensor] = {}
-        queue = [(st, st.all_ids()[self._shared_start(st, st.length - 1) :]) for st in states]
-        while queue:  # fill batches of at most n_batch tokens; a long prefill spans several
-            b, last, used, rest = batch.batch, {}, 0, []
-            for st, ids in queue:
-                take, stream = ids[: self.n_batch - used], st.cache
-                for j, tok in enumerate(take):
-                    _put(b, used + j, tok, stream.n + j, stream.seq)
-                if take:
-                    stream.n += len(take)
-                    used += len(take)
-                    if len(take) == len(ids):
-                        b.logits[used - 1] = True
-                        last[id(st)] = used - 1
-                if len(take) < len(ids):
-                    rest.append((st, ids[len(take):]))
-            b.n_tokens = used
-            ctx.decode(batch)
-            for st, _ in queue:
-                if id(st) in last:
-                    out[id(st)] = self._logprobs(ctx, last[id(st)])
-            queue = rest
-        return [out[id(st)] for st in states]
-
-    def _multi_context(self) -> tuple[Any, Any]:
-        """The shared context of ``multi_seq`` (created on first use, with its ``multi_seq`` sequence
-        ids): one KV cache for every sequence, or with ``exact_calls`` one KV stream per sequence."""
-        if self._multi is None:
-            from llama_cpp._internals import LlamaBatch, LlamaContext
-
-            params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
-            params.n_seq_max, params.kv_unified = self.multi_seq, not self.exact_calls
-            params.n_ctx = self.context_length * self.multi_seq
-            with LOAD_LOCK:
-                ctx = LlamaContext(model=self.llm._model, params=params, verbose=False)
-            self._multi = Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
-            self._streams = [Stream(self._multi, seq) for seq in range(self.multi_seq)]
-        self._threads_on(self._multi)
-        return self._multi.ctx, self._multi.batch
-
-    def _shared_start(self, st: SeqState, limit: int) -> int:
-        """Give a new ``st`` a sequence id of the shared context (``_acquire``: with ``exact_calls``
-        one whose stream shares a reusable prefix, of at most ``limit`` ids), crop what its stream
-        caches to ``n_valid``; returns how many of its ids are cached."""
-        if st.cache is None:
-            st.cache = self._acquire(st, limit, shared=True)
-        if self.exact_calls:
-            start_at_a_block(st)
-        stream: Stream = st.cache
-        if stream.n > st.n_valid:
-            stream.crop(st.n_valid)
-        st.n_valid = stream.n
-        with self._stats_lock:
-            self.prefix_stats["fed"] += st.length - stream.n
-        return stream.n
-
-    def _forward_streams(self, states: list[SeqState], want: dict[int, set[int]] | None = None
-                         ) -> dict[tuple[int, int], torch.Tensor]:
-        """``multi_seq`` with ``exact_calls``: each sequence's prompt blocks in block calls of its own,
-        then every other id of every sequence in shared calls of at most ``SMALL`` ids — each row is
-        computed as a one-id call of that sequence alone computes it (``scripts/measure_batch_invariance.py
-        --exact``), so the batch gives the one-by-one numbers. A new sequence takes its stream after
-        the sequences before it fed their blocks, so it can copy a prompt one of them shares. Returns
-        the log-probabilities after the positions in ``want[id(st)]`` (default: each sequence's
-        last), keyed ``(id(st), position)``."""
-        ctx, batch = self._multi_context()
-        want = want or {id(st): {st.length - 1} for st in states}
-        b, out, queue = batch.batch, {}, []
-        for st in states:
-            start = self._shared_start(st, min(want[id(st)]))
-            stream, ids, head = st.cache, st.all_ids()[start:], prompt_head(st)
-            while start < head:
-                stop, _ = self._call_end(start, st.length, head)
-                for j, tok in enumerate(ids[: stop - start]):
-                    _put(b, j, tok, start + j, stream.seq)
-                    b.logits[j] = start + j in want[id(st)]
-                b.n_tokens = stop - start
-                ctx.decode(batch)
-                out.update(((id(st), p), self._logprobs(ctx, p - start)) for p in range(start, stop) if p in want[id(st)])
-                if start == stream.exact:
-                    stream.exact = stop
-                ids, start = ids[stop - start :], stop
-                stream.n = st.n_valid = stop  # already now, so a later new sequence can copy the blocks
-            queue += [(st, start + j, tok) for j, tok in enumerate(ids)]
-        for i in range(0, len(queue), SMALL):
-            rows = queue[i : i + SMALL]
-            for j, (st, pos, tok) in enumerate(rows):
-                _put(b, j, tok, pos, st.cache.seq)
-                b.logits[j] = pos in want[id(st)]
-            b.n_tokens = len(rows)
-            ctx.decode(batch)
-            out.update(((id(st), pos), self._logprobs(ctx, j)) for j, (st, pos, _) in enumerate(rows)
-                       if pos in want[id(st)])
-        for st in states:
-            st.cache.n = st.n_valid = st.length
-        return out
-
     def _acquire(self, st: SeqState, limit: int, *, shared: bool = False) -> Slot:
         """A context for a new sequence (``shared``: a sequence id of the shared context, which has
         one free); with ``prefix_cache``, the one whose cache shares the longest prefix (of at most
@@ -444,7 +315,7 @@ class LlamaCppMember(LocalMember):
             stop, long = self._call_end(start, len(ids), head)
             b = slot.batch.batch
             for j, tok in enumerate(ids[start:stop]):
-                _put(b, j, tok, start + j, 0)
+                put_token(b, j, tok, start + j, 0)
                 b.logits[j] = start + j in want
             b.n_tokens = stop - start
             slot.ctx.decode(slot.batch)
