@@ -24,22 +24,14 @@ import time
 import torch
 
 from tokenfuse import Ensemble
+from tokenfuse.bench import PROMPTS as BENCH_PROMPTS
 from tokenfuse.bench.streams import measure_streams
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
 from tokenfuse.config import MemberConfig
 from tokenfuse.load import load_member
 from tokenfuse.members.transformers import TransformersMember
 
-PROMPTS = [
-    "Question: What is the capital of France?\nAnswer:",
-    "Write a Python function that returns the factorial of n.\n",
-    "The three most important inventions of the 20th century are",
-    "Q: Tom has 3 apples and buys 5 more. How many apples does he have?\nA:",
-    "Translate to French: The weather is nice today.\nFrench:",
-    "Once upon a time, in a small village by the sea,",
-    "def quicksort(xs):",
-    "The main causes of the French Revolution were",
-]
+PROMPTS = [*BENCH_PROMPTS, "def quicksort(xs):", "The main causes of the French Revolution were"]  # 8 distinct
 
 
 def twin(m: TransformersMember, batched: bool) -> TransformersMember:
