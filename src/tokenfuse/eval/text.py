@@ -1,0 +1,258 @@
+"""Bits per byte of held-out text under every row (``tokenfuse eval --tasks text``) and of a user's
+own files (``tokenfuse score``).
+
+The ``text`` run, resumable (each document's numbers are kept under ``--out`` as they are made):
+
+1. each member alone on the first ``CHOOSE_PER_DOMAIN`` dev documents of each domain (``single``); the
+   **primary** is the member with the fewest bits per byte pooled over them (or ``--primary``);
+2. the first ``DEV_PER_DOMAIN`` dev documents of each domain and every test document: their
+   ``DocFeatures`` with that primary (one pass of each member);
+3. the rows' weights and rates fit on dev (``engine.text_rows.fit``);
+4. every row on every test document → ``items-text.jsonl`` (bits and bytes per document and row),
+   ``results.json`` and ``results.md``: bits per byte per domain and pooled, and each row that is not a
+   member against the best member on the same documents (``vs_best``: ``gain`` = 1 − bits(row) /
+   bits(best), a paired bootstrap interval over documents, a paired sign-flip p-value, Holm over
+   the table).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokenfuse.engine import text_rows
+from tokenfuse.engine.text_features import DocFeatures, Rows, doc_features, primary_tokens
+from tokenfuse.errors import TokenfuseError
+from tokenfuse.eval.stats import holm
+from tokenfuse.progress import progress_bar
+from tokenfuse.tasks.text import Document, load_documents
+
+LN2 = math.log(2)
+RESAMPLES = 1000
+FLIPS = 20000
+SEED = 0
+DEV_PER_DOMAIN = 5
+CHOOSE_PER_DOMAIN = 2
+
+
+def per_domain(docs: Sequence[Document], n: int | None) -> list[Document]:
+    """The first ``n`` documents of each domain, in file order (all with ``None``)."""
+    seen: dict[str, int] = {}
+    out = []
+    for d in docs:
+        seen[d.domain] = seen.get(d.domain, 0) + 1
+        if n is None or seen[d.domain] <= n:
+            out.append(d)
+    return out
+
+
+@dataclass
+class TextSettings:
+    out: str = "eval-out"
+    data: str | None = None
+    limit: int | None = None  # test documents (file order; default all)
+    dev_per_domain: int | None = DEV_PER_DOMAIN  # dev documents of each domain the rows are fit on (None: all)
+    choose_per_domain: int = CHOOSE_PER_DOMAIN  # of those, the ones each member alone is scored on to choose the primary
+    primary: str | None = None
+    progress: bool = True
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _doc_key(doc: Document) -> str:
+    return hashlib.sha1(doc.id.encode()).hexdigest()[:16]
+
+
+def single_logprobs(member: Rows, text: str) -> np.ndarray:
+    """A member alone: the natural-log probability of each of its own tokens of ``text`` after its start token."""
+    own = primary_tokens(member.codec, text)
+    if not own:
+        return np.zeros(0)
+    rows = member.fn([member.start + own[:j] for j in range(len(own))])
+    return np.array([float(r[t]) for r, t in zip(rows, own)], dtype=np.float64)
+
+
+def _bits(logprob: float) -> float:
+    return -logprob / LN2
+
+
+def _choose_primary(members: Sequence[Rows], dev: Sequence[Document], out: Path, progress: bool) -> tuple[int, dict]:
+    """Each member alone on the dev documents (kept in ``out/dev-single.json``); the fewest bits per byte wins."""
+    path = out / "dev-single.json"
+    done: dict[str, dict[str, float]] = json.loads(path.read_text()) if path.is_file() else {}
+    nbytes = sum(d.nbytes for d in dev)
+    _say(f"text dev: each of {len(members)} members alone on {len(dev)} dev documents ({nbytes:,} bytes), "
+         "to choose the primary")
+    for m in members:
+        mine = done.setdefault(m.name, {})
+        todo = [d for d in dev if d.id not in mine]
+        with progress_bar(total=len(dev), initial=len(dev) - len(todo), desc=f"dev {m.name}", unit="doc",
+                          enabled=progress) as bar:
+            for d in todo:
+                mine[d.id] = _bits(float(np.sum(single_logprobs(m, d.text))))
+                path.write_text(json.dumps(done))
+                bar.update(1)
+    bpb = {m.name: sum(done[m.name][d.id] for d in dev) / nbytes for m in members}
+    best = min(range(len(members)), key=lambda i: bpb[members[i].name])
+    _say("text dev bits per byte: " + ", ".join(f"{k} {v:.4f}" for k, v in bpb.items())
+         + f" -> primary {members[best].name}")
+    return best, bpb
+
+
+def _features(members: Sequence[Rows], docs: Sequence[Document], primary: int, split: str, out: Path,
+              progress: bool) -> list[DocFeatures]:
+    folder = out / "features" / f"{split}-{members[primary].name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    feats: list[DocFeatures | None] = []
+    for d in docs:
+        p = folder / f"{_doc_key(d)}.npz"
+        feats.append(DocFeatures.from_npz(np.load(p)) if p.is_file() else None)
+    todo = [k for k, f in enumerate(feats) if f is None]
+    _say(f"text {split}: {len(members)} members' numbers on {len(docs)} documents "
+         f"({sum(d.nbytes for d in docs):,} bytes; {len(docs) - len(todo)} already done), primary {members[primary].name}")
+    vocabs: dict = {}
+    with progress_bar(total=len(docs), initial=len(docs) - len(todo), desc=f"{split} documents", unit="doc",
+                      enabled=progress) as bar:
+        for k in todo:
+            f = doc_features(docs[k].text, members, primary, vocabs=vocabs)
+            np.savez(folder / f"{_doc_key(docs[k])}.npz", **f.to_npz())
+            feats[k] = f
+            bar.update(1)
+    return feats  # type: ignore[return-value]
+
+
+def row_names(members: Sequence[Rows]) -> list[str]:
+    return [f"single:{m.name}" for m in members] + list(text_rows.ROWS)
+
+
+def _compare(row_bits: np.ndarray, best_bits: np.ndarray) -> dict:
+    """``gain`` = 1 − Σ row / Σ best over paired documents, its bootstrap interval and a sign-flip p-value."""
+    gain = 1.0 - row_bits.sum() / best_bits.sum()
+    rng = np.random.default_rng(SEED)
+    idx = rng.integers(0, row_bits.size, size=(RESAMPLES, row_bits.size))
+    gains = 1.0 - row_bits[idx].sum(axis=1) / best_bits[idx].sum(axis=1)
+    lo, hi = np.quantile(gains, [0.025, 0.975])
+    d = best_bits - row_bits
+    flips = rng.choice((-1.0, 1.0), size=(FLIPS, d.size))
+    extreme = np.sum(np.abs(flips @ d) >= abs(d.sum()) - 1e-9)
+    return {"gain": round(float(gain), 5), "ci": [round(float(lo), 5), round(float(hi), 5)],
+            "p": float((1 + extreme) / (1 + FLIPS))}
+
+
+def aggregate(records: Sequence[dict], rows: Sequence[str], members: Sequence[str]) -> dict:
+    """Bits per byte per domain and pooled, and ``vs_best`` for every row that is not a member."""
+    domains = sorted({r["domain"] for r in records})
+    groups = {d: [r for r in records if r["domain"] == d] for d in domains} | {"pooled": list(records)}
+    out: dict = {row: {"bpb": {}, "vs_best": {}} for row in rows}
+    best_of: dict[str, str] = {}
+    for g, recs in groups.items():
+        nbytes = sum(r["bytes"] for r in recs)
+        bits = {row: np.array([r["bits"][row] for r in recs]) for row in rows}
+        for row in rows:
+            out[row]["bpb"][g] = round(float(bits[row].sum() / nbytes), 5)
+        best = min((f"single:{m}" for m in members), key=lambda row: bits[row].sum())
+        best_of[g] = best
+        for row in rows:
+            if not row.startswith("single:"):
+                out[row]["vs_best"][g] = _compare(bits[row], bits[best]) | {"best": best}
+    family = [(row, g) for row in rows if not row.startswith("single:") for g in groups]
+    adjusted = holm([out[row]["vs_best"][g]["p"] for row, g in family])
+    for (row, g), p in zip(family, adjusted):
+        out[row]["vs_best"][g]["p_holm"] = p
+    return {"rows": out, "best_member": best_of, "domains": domains,
+            "documents": {g: len(recs) for g, recs in groups.items()},
+            "bytes": {g: sum(r["bytes"] for r in recs) for g, recs in groups.items()}}
+
+
+def markdown(results: dict) -> str:
+    groups = results["domains"] + ["pooled"]
+    head = "| row | " + " | ".join(f"{g} ({results['documents'][g]})" for g in groups) + " |"
+    lines = [head, "|---" * (len(groups) + 1) + "|"]
+    for row, r in results["rows"].items():
+        cells = []
+        for g in groups:
+            cell = f"{r['bpb'][g]:.4f}"
+            vs = r["vs_best"].get(g)
+            if vs is not None:
+                mark = "‡" if vs["p_holm"] < 0.05 else ""
+                cell += f" ({vs['gain'] * 100:+.1f} %{mark})"
+            cells.append(cell)
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_text(members: Sequence[Rows], settings: TextSettings) -> dict:
+    """The whole ``text`` run (see the module docstring); returns ``results.json``'s content."""
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = per_domain(load_documents("dev", settings.data), settings.dev_per_domain)
+    test = load_documents("test", settings.data)[: settings.limit]
+    names = [m.name for m in members]
+    t0 = time.perf_counter()
+    dev_bpb: dict = {}
+    if settings.primary is not None:
+        if settings.primary not in names:
+            raise TokenfuseError(f"--primary: {settings.primary!r} is not a member (members: {', '.join(names)})")
+        primary = names.index(settings.primary)
+    else:
+        primary, dev_bpb = _choose_primary(members, per_domain(dev, settings.choose_per_domain), out,
+                                           settings.progress)
+    t_choose = time.perf_counter() - t0
+    dev_f = _features(members, dev, primary, "dev", out, settings.progress)
+    t_dev = time.perf_counter() - t0 - t_choose
+    fitted = text_rows.fit(dev_f, len(members))
+    _say("text fit on dev: " + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
+    test_f = _features(members, test, primary, "test", out, settings.progress)
+    t_test = time.perf_counter() - t0 - t_choose - t_dev
+    rows = row_names(members)
+    records = []
+    for d, f in zip(test, test_f):
+        bits = {row: _bits(text_rows.row_logprob(row, f, names, fitted.get(row, text_rows.Fitted())))
+                for row in rows}
+        records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "pieces": len(f.p_true),
+                        "bits": {k: round(v, 4) for k, v in bits.items()}})
+    with (out / "items-text.jsonl").open("w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    results = {"task": "text", "members": names, "primary": names[primary], "dev_bpb": dev_bpb,
+               "fitted": {row: p.as_dict() for row, p in fitted.items()},
+               "dev_documents": len(dev), "test_documents": len(test),
+               "seconds": {"choose_primary": round(t_choose, 1), "dev_features": round(t_dev, 1),
+                           "test_features": round(t_test, 1)}}
+    results |= aggregate(records, rows, names)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    return results
+
+
+def score_texts(members: Sequence[Rows], texts: Sequence[str], primary: int, fitted: dict, *,
+                pieces: bool = False) -> list[dict]:
+    """``tokenfuse score``: every row's bits per byte of each text (``--json``'s shape per text)."""
+    out = []
+    for text in texts:
+        f = doc_features(text, members, primary)
+        nbytes = len(text.encode("utf-8"))
+        rows = {}
+        for row in row_names(members):
+            p = fitted.get(row, text_rows.Fitted())
+            lp = text_rows.row_logprob(row, f, [m.name for m in members], p)
+            entry = {"bits_per_byte": _bits(lp) / max(nbytes, 1), "bits": _bits(lp)}
+            if pieces and row in text_rows.TOKEN_ROWS:
+                true, cand = text_rows.components(f, len(members))
+                entry["piece_logprobs"] = [round(float(x), 5) for x in text_rows.token_logprobs(row, true, cand, f, p)]
+            rows[row] = entry
+        item = {"bytes": nbytes, "rows": rows}
+        if pieces:
+            item["piece_bytes"] = f.piece_bytes
+        out.append(item)
+    return out
