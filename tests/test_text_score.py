@@ -135,3 +135,73 @@ def test_fit_recovers_the_better_member_and_rows_aggregate(fake):
     assert vs["best"] == "single:a"
     assert vs["gain"] == round(1 - sum(7.0 + i for i in range(6)) / sum(8.0 + i for i in range(6)), 5)
     assert vs["ci"][0] > 0 and vs["p_holm"] >= vs["p"]
+
+
+def test_score_command_prints_every_row_and_names_bad_files(make_tiny, tmp_path, monkeypatch, capsys):
+    import json as _json
+
+    from tokenfuse import cli, load
+    from tokenfuse.engine import Ensemble
+
+    members = [make_tiny("smollm2", seed=5, name="s"), make_tiny("qwen", seed=6, name="q")]
+    monkeypatch.setattr(load, "load_ensemble", lambda cfg, progress=True: Ensemble(members))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("print('hello')\n# 안녕하세요\n", encoding="utf-8")
+    assert cli.main(["score", str(doc), "--json", "--pieces"]) == 0
+    out = _json.loads(capsys.readouterr().out)
+    assert out["bytes"] == len(doc.read_bytes())
+    assert set(out["rows"]) == {"single:s", "single:q", "doc-mix", "gac", "switch", "poe"}
+    text = doc.read_text(encoding="utf-8")
+    own = single_logprobs(Rows.from_member(members[1]), text)
+    assert math.isclose(out["rows"]["single:q"]["bits"], -own.sum() / math.log(2), rel_tol=1e-6)
+    gac = out["rows"]["gac"]
+    assert math.isclose(gac["bits"], -sum(gac["piece_logprobs"]) / math.log(2), rel_tol=1e-4)
+    assert sum(out["piece_bytes"]) == out["bytes"]
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok \xff")
+    assert cli.main(["score", str(bad)]) != 0
+    assert f"{bad}: not UTF-8 text (byte 3 is not valid UTF-8)" in capsys.readouterr().err
+
+
+def test_text_run_writes_results_and_resumes(make_tiny, tmp_path, monkeypatch, capsys):
+    import json as _json
+
+    from tokenfuse import cli, load
+    from tokenfuse.engine import Ensemble
+    from tokenfuse.errors import TokenfuseError
+
+    members = [make_tiny("gemma3", seed=7, name="g"), make_tiny("qwen", seed=8, name="q")]
+    monkeypatch.setattr(load, "load_ensemble", lambda cfg, progress=True: Ensemble(members))
+    (tmp_path / "data" / "text").mkdir(parents=True)
+    texts = {"code": "x = 1\n", "en": "The cat sat.", "zh": "你好，世界"}
+    for split in ("dev", "test"):
+        with open(tmp_path / "data" / "text" / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for dom, t in texts.items():
+                f.write(_json.dumps({"id": f"{split}-{dom}", "domain": dom, "source": "s", "text": t + split}) + "\n")
+    args = ["eval", "--tasks", "text", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--quiet"]
+    assert cli.main(args) == 0
+    res = _json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["test_documents"] == 3 and res["primary"] in ("g", "q")
+    assert set(res["rows"]) == {"single:g", "single:q", "doc-mix", "gac", "switch", "poe"}
+    assert set(res["rows"]["gac"]["bpb"]) == {"code", "en", "zh", "pooled"}
+    assert set(res["rows"]["gac"]["vs_best"]["pooled"]) >= {"gain", "ci", "p_holm"}
+    items = [_json.loads(x) for x in (tmp_path / "out" / "items-text.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in items] == ["test-code", "test-en", "test-zh"]
+    capsys.readouterr()
+    assert cli.main(args) == 0  # a rerun computes nothing again and gives the same numbers
+    assert "3 already done" in capsys.readouterr().err
+    assert _json.loads((tmp_path / "out" / "results.json").read_text())["rows"] == res["rows"]
+    with pytest.raises(TokenfuseError, match="text .* runs on its own"):
+        from tokenfuse.eval import cli as eval_cli
+        eval_cli.run(cli.build_parser().parse_args(["eval", "--tasks", "text,piqa"]))
+
+
+def test_poe_with_a_zero_exponent_is_the_others_product(fake):
+    """A member with exponent 0 leaves the product (0 · log 0 = 0, never NaN), even where its component is 0."""
+    f = doc_features("abab", fake, 0, k=4)
+    true, cand = text_rows.components(f, 3)
+    true[:, 2] = 0.0
+    cand[:, :, 2] = 0.0
+    got = text_rows.poe_logprobs(true, cand, f, np.array([1.0, 0.0, 0.0]))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, np.log(f.p_true), rtol=1e-9)  # β on the primary alone: the primary

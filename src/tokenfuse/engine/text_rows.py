@@ -81,13 +81,20 @@ def switch_logprobs(true: np.ndarray, w: np.ndarray, alpha: float) -> np.ndarray
     return out
 
 
+def _weighted_log(x: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """``Σ_i β_i log x[..., i]`` with ``0 · log 0 = 0`` (a member with no weight does not veto)."""
+    keep = beta > 0
+    return _log(x[..., keep]) @ beta[keep]
+
+
 def poe_logprobs(true: np.ndarray, cand: np.ndarray, f: DocFeatures, beta: np.ndarray) -> np.ndarray:
-    lt = _log(true) @ beta
-    lc = _log(cand) @ beta  # [n, K]
+    lt = _weighted_log(true, beta)
+    lc = _weighted_log(cand, beta)  # [n, K]
     rest_p = np.clip(1.0 - f.p_cand.sum(axis=1), 0.0, 1.0)
     rest_scale = np.zeros(true.shape[0])  # log Π_j (1 − E_j)^{β_j}
     for j, e in f.e.items():
-        rest_scale += beta[j] * _log(np.clip(1.0 - e.sum(axis=1), 0.0, 1.0))
+        if beta[j] > 0:
+            rest_scale += beta[j] * _log(np.clip(1.0 - e.sum(axis=1), 0.0, 1.0))
     stack = np.concatenate([lc, (rest_scale + _log(rest_p))[:, None]], axis=1)
     with np.errstate(invalid="ignore"):
         top = np.max(stack, axis=1, keepdims=True)
