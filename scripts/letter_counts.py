@@ -5,7 +5,8 @@ Reads the records `tokenfuse eval --mc generate --out OUT` wrote (or a published
 Prints how often each letter is the gold answer on the items `--limit N` evaluates, what always
 answering that letter would score, and for every row (`items/<task>-generate/*.jsonl`) how often it
 answered each letter ("none": no letter could be read off its output) and its accuracy. The counts
-in docs/results.md's letter-form paragraphs come from this command.
+in docs/results.md's letter-form finding (and its longer letter-form section at commit 5503b78)
+come from this command.
 
 Usage: TOKENFUSE_DATA=../shared/benchmarks .venv/bin/python scripts/letter_counts.py arc_challenge \
     --out eval-large [--limit 500]   (auto's dev items: --dev --limit 50)

@@ -470,6 +470,157 @@ def test_task_primary_is_the_dev_best_member_unless_the_config_names_one(tiny_pa
     assert (row.overrides["gate"], row.overrides["threshold"]) == ("s", 0.2)
 
 
+# ---------------------------------------------------------------------------------------- dev work
+def test_primary_dev_count_is_proportional_unless_auto_runs():
+    from tokenfuse.eval.auto import primary_dev_count
+
+    assert primary_dev_count("likelihood", 12, with_auto=False) == 12  # --limit 12: 12 dev items for the primary
+    assert primary_dev_count("likelihood", 2376, with_auto=False) == 500  # all of a task's items: at most 500
+    assert primary_dev_count("generate", 1000, with_auto=False) == 200
+    assert primary_dev_count("likelihood", 12, with_auto=False, member_dev_limit=40) == 40  # the flag wins
+    assert primary_dev_count("likelihood", 12, with_auto=False, dev_limit=100) == 12  # auto's own flag: not auto
+    assert primary_dev_count("likelihood", 12, with_auto=True) == 500  # auto's member count: its records serve both
+    assert primary_dev_count("likelihood", 12, with_auto=True, dev_limit=600) == 600
+    assert primary_dev_count("generate", 12, with_auto=True, member_dev_limit=300) == 300
+
+
+def _fixed_clock(monkeypatch):
+    from types import SimpleNamespace
+
+    from tokenfuse.eval import runner
+
+    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=lambda: 7.0))
+
+
+def test_task_primary_ranks_on_as_many_dev_items_as_test_items(tiny_pair, data_dir, tmp_path, monkeypatch):
+    """Without ``auto`` the members' ranking that only picks the primary runs on no more dev items
+    than the run has test items; with ``auto`` on auto's member count; each ranking says what it
+    does when it starts and what it chose when it is done."""
+    from tokenfuse.eval import runner
+    from tokenfuse.tasks import load_task
+
+    (data_dir / "triviaqa" / "dev.jsonl").write_text("".join(
+        json.dumps({**r, "id": f"dev-{i}"}) + "\n" for i, r in enumerate(QA + QA)), encoding="utf-8")  # 6 dev items
+    task = load_task("triviaqa", str(data_dir), num_fewshot=0)
+    seen = []
+
+    def fake_rows(cfg, base, task, specs, items, settings, *, split="test"):
+        seen.append(len(items))
+        return {s.name: [{"id": it["id"], "correct": s.name == "single:q"} for it in items] for s in specs}
+
+    monkeypatch.setattr(runner, "run_rows", fake_rows)
+    _fixed_clock(monkeypatch)
+    logs: list[str] = []
+    for limit, extra, methods, want in ((2, {}, ["gac"], 2), (None, {}, ["gac"], 3),
+                                        (2, {"member_dev_limit": 5}, ["gac"], 5), (1, {}, ["gac", "auto"], 6)):
+        settings = EvalSettings(tasks=["triviaqa"], methods=methods, limit=limit, data=str(data_dir),
+                                out=str(tmp_path / "out"), progress=False, **extra)
+        assert runner.task_primary(config_from_models("s,q"), None, task, methods, settings, log=logs.append) == "q"
+        assert seen[-1] == want and settings.primaries["triviaqa"]["dev_items"] == want
+    assert logs[:2] == ["dev triviaqa: ranking 2 members alone on 2 dev items (for the primary member)",
+                        "dev triviaqa: primary q (dev accuracy s 0.0, q 100.0), 0.0 s"]
+    assert logs[-2] == "dev triviaqa: ranking 2 members alone on 6 dev items (for the primary member and auto)"
+
+
+def test_dev_records_are_reused_across_runs(tiny_pair, tmp_path, monkeypatch, capsys):
+    """A run with another ``--out`` takes the dev records an earlier run computed from the dev
+    cache (the same records, so the same primary) and computes only the dev items it lacks; the
+    test items run again. Off with ``dev_cache=False``; keyed by the members as loaded."""
+    from tokenfuse.eval import devcache, runner
+    from tokenfuse.eval.records import item_file, read_records
+
+    members, union = tiny_pair
+    root = tmp_path / "data"
+    for name, prefix in (("easy_test.jsonl", "arc"), ("easy_dev.jsonl", "dev")):
+        (root / "arc").mkdir(parents=True, exist_ok=True)
+        (root / "arc" / name).write_text("".join(json.dumps({**r, "id": f"{prefix}-{i}"}) + "\n"
+                                                 for i, r in enumerate(ARC + ARC)), encoding="utf-8")
+    version = {"s": 1, "q": 1}
+    monkeypatch.setattr(devcache, "member_identity", lambda m: {"tiny": m.name, "version": version[m.name]})
+    monkeypatch.setenv("TOKENFUSE_CACHE", str(tmp_path / "cache"))
+    computed: list[tuple[str, str]] = []
+    score = runner.likelihood_records
+
+    def spy(ens, task, items, **kw):
+        computed.extend((ens.members[0].name if len(ens.members) == 1 else "ens", str(it["id"])) for it in items)
+        return score(ens, task, items, **kw)
+
+    monkeypatch.setattr(runner, "likelihood_records", spy)
+    _fixed_clock(monkeypatch)
+
+    def run(out, limit, **kw):
+        computed.clear()
+        settings = EvalSettings(tasks=["arc_easy"], methods=["single", "gac"], limit=limit, data=str(root),
+                                out=str(tmp_path / out), batch_size=2, num_fewshot=0, progress=False,
+                                dev_cache=kw.pop("dev_cache", True), **kw)
+        res = run_eval(config_from_models("s,q"), settings, members=members, union=union, log=lambda m: None)
+        dev = {n: item_file(tmp_path / out, "arc_easy", "likelihood-dev", f"single:{n}").read_text() for n in "sq"}
+        return res, dev, sorted({i for _, i in computed if i.startswith("dev-")})
+
+    first, dev1, ran = run("a", 2)
+    assert len(ran) == 2 and first["primaries"]["arc_easy"]["dev_items"] == 2
+    cached = sorted((tmp_path / "cache" / "eval-dev" / "arc_easy-likelihood").glob("*/records.jsonl"))
+    assert len(cached) == 2 and all(len(read_records(p)) == 2 for p in cached)
+    capsys.readouterr()
+    second, dev2, ran = run("b", 2)
+    assert ran == [] and dev2 == dev1 and second["primaries"] == first["primaries"]  # the same records, the same choice
+    assert {i for _, i in computed} == set(read_records(item_file(tmp_path / "b", "arc_easy", "likelihood", "gac")))
+    assert capsys.readouterr().err == (f"arc_easy-likelihood-dev: 4 records of 2 rows taken from the dev cache "
+                                       f"({tmp_path / 'cache' / 'eval-dev' / 'arc_easy-likelihood'})\n")
+    third, dev3, ran = run("c", 3)  # one test item more: one dev item more, only that one computed
+    assert len(ran) == 1 and all(dev3[n].startswith(dev1[n]) and dev3[n].count("\n") == 3 for n in "sq")
+    assert all(len(read_records(p)) == 3 for p in cached)
+    _, _, ran = run("d", 3, dev_cache=False)
+    assert len(ran) == 3
+    version["q"] = 2  # q's weights changed: its ranking records are computed again, s's are taken
+    _, _, ran = run("e", 3)
+    assert len(ran) == 3 and {n for n, i in computed if i.startswith("dev-")} == {"q"}
+
+
+def test_dev_cache_identity_follows_the_weight_files(tmp_path, data_dir):
+    from types import SimpleNamespace
+
+    from tokenfuse.eval.devcache import item_key, member_identity
+    from tokenfuse.tasks import load_task
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"1234")
+    llama = SimpleNamespace(path=str(gguf), codec=SimpleNamespace(fingerprint="f"), weight_bytes=4)
+    ident = member_identity(llama)
+    assert ident["files"] == [[str(gguf.resolve()), 4, gguf.stat().st_mtime_ns]] and ident["codec"] == "f"
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"12")
+    (folder / "config.json").write_text("{}")
+    hf = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(_name_or_path=str(folder)), dtype="float32"),
+                         codec=SimpleNamespace(fingerprint="g"), weight_bytes=2, device="cpu")
+    ident = member_identity(hf)
+    assert [f[0].rsplit("/", 1)[1] for f in ident["files"]] == ["config.json", "model.safetensors"]
+    (folder / "model.safetensors").write_bytes(b"123")
+    assert member_identity(hf) != ident  # other weights: another key
+    assert member_identity(SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(_name_or_path="")))) is None
+    assert member_identity(SimpleNamespace(codec=None, weight_bytes=None)) is None  # behind a server: no files
+    task = load_task("arc_easy", str(data_dir), num_fewshot=0)
+    a, b = task.items[0], dict(task.items[0], question="Which is a gas?")
+    assert item_key(task, a, "likelihood") == item_key(task, dict(a), "likelihood") != item_key(task, b, "likelihood")
+    assert item_key(task, a, "likelihood") != item_key(task, a, "generate")
+
+
+def test_cli_dev_cache_is_on_unless_turned_off(monkeypatch):
+    from tokenfuse.cli import main
+    from tokenfuse.eval import cli
+
+    seen = []
+
+    def fake_run(cfg, settings):
+        seen.append(settings)
+        raise TokenfuseError("stop here")
+
+    monkeypatch.setattr(cli, "run_eval", fake_run)
+    assert main(["eval"]) == 2 and main(["eval", "--no-dev-cache"]) == 2
+    assert [s.dev_cache for s in seen] == [True, False] and EvalSettings().dev_cache is False
+
+
 def read_ids(path):
     from tokenfuse.eval.records import read_records
 
@@ -598,7 +749,9 @@ def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path
     settings = EvalSettings(tasks=["arc_easy", "triviaqa"], methods="single,gac,auto", limit=3,  # as the CLI gives it
                             data=str(data_dir), out=str(out), batch_size=2, num_fewshot=0,
                             max_new_tokens={"triviaqa": 2}, progress=False, dev_limit=2)  # members: all 3
-    res = run_eval(cfg, settings, members=members, union=union, log=lambda m: None)
+    _fixed_clock(monkeypatch)
+    logs: list[str] = []
+    res = run_eval(cfg, settings, members=members, union=union, log=logs.append)
     assert set(res["auto"]) == {"arc_easy", "triviaqa"} and "auto" in res["overview"]
     assert res["settings"]["methods"] == ["single", "gac", "auto"]
     for task, form in (("arc_easy", "likelihood"), ("triviaqa", "generate")):
@@ -616,6 +769,14 @@ def test_auto_row_is_chosen_on_dev_and_run_on_test(tiny_pair, data_dir, tmp_path
         assert not test_ids & {r["id"] for r in dev["gac"]} or task == "triviaqa"  # TriviaQA's fixture repeats them
         expected = choose(dev, ranked)
         assert res["auto"][task]["chosen"] == expected.chosen
+        primary, acc = res["primaries"][task]["member"], res["primaries"][task]["dev_acc"]
+        best = expected.best_single
+        assert [m for m in logs if m.startswith(f"dev {task}:")] == [  # what the dev work is, stage by stage
+            f"dev {task}: ranking 2 members alone on 3 dev items (for the primary member and auto)",
+            f"dev {task}: primary {primary} (dev accuracy s {100 * acc['s']:.1f}, q {100 * acc['q']:.1f}), 0.0 s",
+            f"dev {task}: auto runs {len(expected.dev_acc)} rows and candidates on 2 dev items",
+            f"dev {task}: auto chose {expected.chosen} (dev accuracy {100 * expected.dev_acc[expected.chosen]:.1f}; "
+            f"best member {best.split(':')[1]} {100 * expected.dev_acc[best]:.1f}), 0.0 s"]
         assert (res["auto"][task]["dev_items"], res["auto"][task]["member_dev_items"]) == (2, 3)
         pool = res["auto"][task]["dev_pool"]  # the members asked for the form's default, the pool has 3
         assert (pool["size"], pool["asked"], pool["member_asked"]) == (3, 2, 500 if form == "likelihood" else 200)

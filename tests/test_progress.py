@@ -153,12 +153,8 @@ def test_transformers_lines_show_with_a_handler_as_verbose_sets_one(routed):
 
 
 # ---------------------------------------------------------------------------------------- a command's steps
-def test_eval_writes_one_line_per_task_and_row(make_tiny, one_thread, tmp_path, clock, capsys):
-    from tokenfuse.config import config_from_models
-    from tokenfuse.engine import Ensemble
-    from tokenfuse.eval.records import item_file, read_records
-    from tokenfuse.eval.runner import EvalSettings, run_eval
-
+def arc_data(tmp_path):
+    """Two ARC-Easy test items and one dev item under ``tmp_path/data``; the test file's path."""
     data = tmp_path / "data" / "arc" / "easy_test.jsonl"
     data.parent.mkdir(parents=True)
     data.write_text("".join(json.dumps({"id": f"arc-{i}", "question": q, "choices": ch, "answer": a}) + "\n"
@@ -166,6 +162,16 @@ def test_eval_writes_one_line_per_task_and_row(make_tiny, one_thread, tmp_path, 
                                                             ("Which is hot?", ["ice", "fire"], "B")])))
     (data.parent / "easy_dev.jsonl").write_text(json.dumps({"id": "arc-dev-0", "question": "Which is cold?",
                                                             "choices": ["ice", "fire"], "answer": "A"}) + "\n")
+    return data
+
+
+def test_eval_writes_one_line_per_task_and_row(make_tiny, one_thread, tmp_path, clock, capsys):
+    from tokenfuse.config import config_from_models
+    from tokenfuse.engine import Ensemble
+    from tokenfuse.eval.records import item_file, read_records
+    from tokenfuse.eval.runner import EvalSettings, run_eval
+
+    data = arc_data(tmp_path)
     qa = tmp_path / "data" / "triviaqa"
     qa.mkdir()
     for split in ("test", "dev"):
@@ -188,3 +194,29 @@ def test_eval_writes_one_line_per_task_and_row(make_tiny, one_thread, tmp_path, 
     for method in ("single:s", "single:q", "gac"):
         assert len(read_records(item_file(out, "triviaqa", "generate", method))) == 1
     assert capsys.readouterr() == ("", "".join(lines))
+
+
+def test_eval_off_a_terminal_writes_a_line_a_minute_while_a_task_runs(make_tiny, one_thread, tmp_path, clock,
+                                                                      capsys, monkeypatch):
+    """A long task is not silent until it ends: after a batch, once a minute has passed since the
+    last line, one line says how far it is (the progress display's own line still ends it)."""
+    from tokenfuse.config import config_from_models
+    from tokenfuse.engine import Ensemble
+    from tokenfuse.eval import runner
+
+    arc_data(tmp_path)
+    score = runner.likelihood_records
+
+    def slow(*a, **k):  # each row's batch takes 40 s: a batch of the 3 rows 120 s
+        clock.now += 40.0
+        return score(*a, **k)
+
+    monkeypatch.setattr(runner, "likelihood_records", slow)
+    members = [make_tiny("smollm2", seed=1, name="s"), make_tiny("qwen", seed=2, name="q")]
+    settings = runner.EvalSettings(tasks=["arc_easy"], methods=["single", "gac"], limit=2, data=str(tmp_path / "data"),
+                                   out=str(tmp_path / "out"), batch_size=2, num_fewshot=0)
+    runner.run_eval(config_from_models("s,q", primary="s"), settings, members=members,
+                    union=Ensemble(members).union, log=lambda msg: None)
+    assert capsys.readouterr() == ("", "eval arc_easy-likelihood (3 rows): 1/2 items, 120.0 s\n"
+                                       "eval arc_easy-likelihood (3 rows): 2/2 items in 240.0 s, 0.5 items/min, "
+                                       "shared=75%\n")

@@ -13,6 +13,7 @@ from tokenfuse.analyze import cli as analyze_cli
 from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval import cli as eval_cli
+from tokenfuse.eval import score_cli
 
 
 class UsageError(TokenfuseError):
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(pg)
     pg.add_argument("--no-browser", action="store_true", help="only print the playground's URL")
     eval_cli.add_parser(sub)
+    score_cli.add_parser(sub)
     analyze_cli.add_parser(sub)
     select.add_parser(sub)
     return parser
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 2
     commands = {"generate": _generate, "models": _models, "bench": _bench, "serve": _serve, "playground": _playground,
-                "eval": eval_cli.run, "analyze": analyze_cli.run, "select": select.run}
+                "eval": eval_cli.run, "score": score_cli.run, "analyze": analyze_cli.run, "select": select.run}
     _quiet_env(verbose=args.verbose or os.environ.get("TOKENFUSE_LOG", "").lower() == "debug")
     try:
         return commands[args.command](args)

@@ -5,7 +5,10 @@ tokenization. Piece by piece, every weighted member runs on the context plus the
 (the same lockstep engine and re-sync as generation), and the piece's probability is the
 combiner's probability of that union entry (``Combiner.piece_probs``: for GaC the weighted average
 of the members' probabilities, a member without the piece as one token contributing its first
-sub-token's probability as in UniTE; for UniTE the piece joins the top-k candidates). The result
+sub-token's probability as in UniTE — an upper bound, right for ranking the options of one question but
+not a distribution over byte strings: bits per byte of text use the proper rows of
+``engine.text_rows`` instead, docs/methods.md "Proper scores of text"; for UniTE the piece joins the
+top-k candidates). The result
 is the sum of the pieces' log-probabilities; a member alone (or copies of one member) gives
 exactly that member's own likelihood of its tokens, each renormalised over its text + END ids.
 

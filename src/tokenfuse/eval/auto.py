@@ -31,7 +31,9 @@ the likelihood form, 200 in the generate form — and the members alone, which d
 (and so the gate, the primary and the kept members of the candidates), on at least
 ``MEMBER_DEV_LIMITS[form]`` (the same 500 / 200), the first dev items of the same seeded order, so
 the candidates' items are among them. ``--dev-limit`` and ``--member-dev-limit`` override the
-defaults; the members never rank on fewer items than the rest. A task whose dev pool is smaller
+defaults; the members never rank on fewer items than the rest. (Without ``auto`` in the run, the
+members' ranking that only picks a task's primary member runs on as many dev items as the run has
+test items for the task, at most those counts: ``primary_dev_count``.) A task whose dev pool is smaller
 runs on all of it, and the choice says so (``dev_note``: in ``results.json``, ``results.md`` and the
 header of ``auto/<task>.yaml``). A member alone is the cheapest row, and picking the wrong one is
 what puts ``auto`` below the best member: 50 generate-form dev items could not tell the members
@@ -58,6 +60,18 @@ def dev_counts(form: str, dev_limit: int | None = None, member_dev_limit: int | 
     get fewer than the rest. A smaller dev pool gives all of its items (``dev_note`` says so)."""
     n = dev_limit or DEV_LIMITS[form]
     return n, max(n, member_dev_limit or MEMBER_DEV_LIMITS[form])
+
+
+def primary_dev_count(form: str, test_items: int, *, with_auto: bool, dev_limit: int | None = None,
+                      member_dev_limit: int | None = None) -> int:
+    """The dev items the members alone are ranked on to choose a task's primary member
+    (``runner.task_primary``): with ``auto`` in the run, ``auto``'s own member count (``dev_counts``;
+    its records then serve both); without it ``--member-dev-limit`` if given, else as many as the
+    task's ``test_items`` (at least 1, at most ``MEMBER_DEV_LIMITS[form]``): a choice that only sets
+    the primary costs no more than the run it serves."""
+    if with_auto:
+        return dev_counts(form, dev_limit, member_dev_limit)[1]
+    return member_dev_limit or max(1, min(test_items, MEMBER_DEV_LIMITS[form]))
 
 
 def dev_note(asked: int, member_asked: int, *, used: int, member_used: int, pool: int, source: str) -> str | None:

@@ -57,9 +57,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dev-limit", type=int, help="auto: dev items per task it chooses on (default 500 in the "
                                                  "likelihood form, 200 in the generate form; all when the "
                                                  "task's dev pool is smaller)")
-    p.add_argument("--member-dev-limit", type=int, help="auto: dev items the members alone are ranked on "
-                                                        "(default 500 likelihood / 200 generate; never fewer "
-                                                        "than --dev-limit)")
+    p.add_argument("--member-dev-limit", type=int,
+                   help="dev items the members alone are ranked on: for auto (default 500 likelihood / 200 "
+                        "generate; never fewer than --dev-limit) and for a task's primary member where the "
+                        "config names none (default without auto: as many as the task's test items, at most "
+                        "500 / 200)")
+    p.add_argument("--no-dev-cache", dest="dev_cache", action="store_false",
+                   help="do not reuse dev records from other runs (nor add to them): the dev cache under the "
+                        "tokenfuse cache, eval-dev/")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                    help=f"mux/sc: answers each member samples per item for mux (k, default {DEFAULT_SAMPLES}); each "
                         "sc:<member> row takes k × members of its member's samples (the same budget)")
@@ -67,7 +72,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"mux/sc: temperature of the samples (default {DEFAULT_TEMPERATURE}; seeded from --seed)")
     p.add_argument("--scoring", choices=("one-forward", "stepwise"),
                    help="likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (the one-line messages per task and per dev stage stay)")
     return p
 
 
@@ -87,19 +93,41 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_threshold is not None and not 0 <= args.eval_threshold <= 1:
         raise TokenfuseError(f"--threshold: expected a number in [0, 1], got {args.eval_threshold}")
     cfg = EnsembleConfig.from_args(args)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if "text" in tasks:
+        if tasks != ["text"]:
+            raise TokenfuseError("--tasks: text (bits per byte of held-out documents) runs on its own: "
+                                 "`--tasks text`, and the other tasks in another run")
+        return _run_text(cfg, args)
     if args.eval_gate or (args.eval_threshold is not None and cfg.gate):  # only gac-threshold uses them
         threshold = args.eval_threshold if args.eval_threshold is not None else (cfg.threshold or DEFAULT_THRESHOLD)
         cfg = cfg.with_overrides(gate=args.eval_gate or cfg.gate, threshold=threshold, origin="--gate/--threshold")
     settings = EvalSettings(
-        tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], methods=args.methods, limit=args.limit,
+        tasks=tasks, methods=args.methods, limit=args.limit,
         limits=_int_map(args.task_limits, "--task-limits"), seed=args.seed, data=args.data, out=args.out,
         mc=args.mc, batch_size=args.batch_size, max_new_tokens=_int_map(args.task_max_new_tokens, "--max-new-tokens"),
         num_fewshot=args.num_fewshot, progress=not args.quiet, dev_limit=args.dev_limit,
-        member_dev_limit=args.member_dev_limit, threshold=args.eval_threshold, samples=args.samples,
-        sample_temperature=args.sample_temperature)
+        member_dev_limit=args.member_dev_limit, dev_cache=args.dev_cache, threshold=args.eval_threshold,
+        samples=args.samples, sample_temperature=args.sample_temperature)
     t0 = time.perf_counter()
     results = run_eval(cfg, settings)
     print(markdown_table(results))
     print(f"wrote {args.out}/results.json, results.md, results.png and items/ ({time.perf_counter() - t0:.0f} s)",
+          file=sys.stderr)
+    return 0
+
+
+def _run_text(cfg: EnsembleConfig, args: argparse.Namespace) -> int:
+    from tokenfuse.engine.text_features import Rows
+    from tokenfuse.eval.text import TextSettings, markdown, run_text
+    from tokenfuse.load import load_ensemble
+
+    t0 = time.perf_counter()
+    ens = load_ensemble(cfg, progress=not args.quiet)
+    settings = TextSettings(out=args.out, data=args.data, limit=args.limit, primary=args.primary,
+                            progress=not args.quiet)
+    results = run_text([Rows.from_member(m) for m in ens.members], settings)
+    print(markdown(results))
+    print(f"wrote {args.out}/results.json, results.md and items-text.jsonl ({time.perf_counter() - t0:.0f} s)",
           file=sys.stderr)
     return 0

@@ -14,8 +14,9 @@ tables between two marker lines, the prose around them left alone::
 * ``large/results.md`` — the run, under ``docs/results/``;
 * ``#main,gain`` — sections of that results.md, by name: ``main`` (accuracy per task, Avg., cost),
   ``wall`` (wall time per task), ``ci`` (bootstrap intervals), ``raw`` (unnormalised likelihood accuracy), ``gain`` (paired gain
-  over the best member), ``answers`` (the answer rows' samples and cost), ``mux`` (``mux`` against the
-  best ``sc`` row), ``auto`` (``auto``'s choice per task). Two or more are joined row by row
+  over the best member), ``proper`` (the likelihood tasks' NLL and Brier score per row), ``proper_gain``
+  (their paired difference from the best member), ``answers`` (the answer rows' samples and cost), ``mux`` (``mux`` against the
+  best ``sc`` row), ``auto`` (``auto``'s choice per task); a ``text`` run's one table is its ``main``. Two or more are joined row by row
   on their first column; a later section's columns are headed ``<section>: <column>``;
 * ``cols=a,b`` (optional) — keep these columns: a column is kept when its header is a name or
   starts with a name and a space or ``(`` (``Avg.`` keeps ``Avg.`` and ``Avg. vs ...``);
@@ -35,10 +36,12 @@ import sys
 from pathlib import Path
 
 from tokenfuse.eval.report import markdown_table
+from tokenfuse.eval.text import markdown as text_markdown
 
 # A section of report.markdown_table's output is named by the line just above its table.
 _CAPTIONS = {"Wall time per task": "wall", "Bootstrap 95 %": "ci", "Likelihood form, unnormalised": "raw",
-             "Gain over the best single member": "gain", "Answer-level rows": "answers",
+             "Gain over the best single member": "gain", "Proper scores against": "proper_gain",
+             "Proper scores (": "proper", "Answer-level rows": "answers",
              "`mux` against the best `sc`": "mux", "`auto`'s choice": "auto"}
 _BLOCK = re.compile(r"^<!-- table: (?P<run>[\w.-]+)/results\.md#(?P<sections>[\w,]+)(?P<opts>[^>]*?) -->\n"
                     r"(?P<body>.*?)^<!-- end table -->$", re.M | re.S)
@@ -46,8 +49,9 @@ _MISSING = "–"
 
 
 def render_run(run_dir: Path) -> str:
-    """The run's results.md, rendered from its results.json."""
-    return markdown_table(json.loads((run_dir / "results.json").read_text(encoding="utf-8")))
+    """The run's results.md, rendered from its results.json (a ``text`` run's by ``eval.text.markdown``)."""
+    data = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+    return text_markdown(data) if data.get("task") == "text" else markdown_table(data)
 
 
 def _cells(line: str) -> list[str]:

@@ -45,6 +45,11 @@ adjustment gives ``p_holm`` (``stats.holm``); ``‡`` where ``p_holm < HOLM_ALPH
 average columns are outside the family and keep ``†`` alone. A ``results.json`` written before the
 p-values has no ``p``: no ``‡``, and the legend says Holm was not computed for that run.
 
+Proper scores (likelihood form, ``tokenfuse.eval.proper``, which defines them): per task and row that
+has option scores, the gold option's mean NLL and Brier score of the row's softmax over the options'
+summed log-likelihoods (``proper`` in ``results.json``), with a uniform row for reference; then each
+row's paired difference from the member best by that score, with its paired bootstrap interval.
+
 Answer-level rows (``mux``, ``sc:<member>``, ``tokenfuse.eval.answers``) add a table of their
 samples per item and items/min — of the samples each row uses, its cost, as the rows share the
 members' samples (the task's wall time counts the sampling once) — and, per task, ``mux``'s paired
@@ -60,6 +65,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenfuse.eval.proper import proper_scores
 from tokenfuse.eval.stats import bootstrap_ci, holm, paired_bootstrap, paired_bootstrap_mean, sign_flip_p
 
 HOLM_ALPHA = 0.05
@@ -149,6 +155,7 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
                     tasks[t][m]["vs_best"]["p"] = sign_flip_p(*pair)
     family = holm_family(tasks)
     mux_family = mux_vs_sc(tasks, all_records)
+    proper = proper_scores(tasks, all_records, forms)
     for m in methods:
         covered = [t for t in all_records if m in all_records[t]]
         if m.startswith("single:") or len(covered) != len(all_records) or len(task_best) != len(all_records):
@@ -169,6 +176,7 @@ def summarise(cfg, settings, all_records: dict[str, dict[str, list[dict]]], form
             "gain_per_task": per_task_gain, "wall_seconds": wall_seconds,
             "holm": {"family": family, "alpha": HOLM_ALPHA, "test": "exact paired sign-flip"},
             **({"mux_vs_sc": {"family": mux_family, "alpha": HOLM_ALPHA}} if mux_family else {}),
+            **({"proper": proper} if proper else {}),
             "task_wall": task_wall(tasks, {t: {"chosen": per["auto"][0].get("chosen")}
                                            for t, per in all_records.items() if per.get("auto")})}
 
@@ -253,7 +261,8 @@ def markdown_table(results: dict) -> str:
     tasks = list(results["tasks"])
     forms = ", ".join(f"{t}: {f}" for t, f in results["forms"].items())
     return "\n".join(_main_lines(results, tasks) + _wall_lines(results) + _ci_lines(results, tasks)
-                     + _raw_lines(results, tasks) + _gain_lines(results, tasks) + primary_lines(results)
+                     + _raw_lines(results, tasks) + _gain_lines(results, tasks) + proper_lines(results)
+                     + primary_lines(results)
                      + answer_lines(results)
                      + auto_lines(results)
                      + ["", f"Forms: {forms}."]) + "\n"
@@ -342,6 +351,64 @@ def _gain_lines(results: dict, tasks: list[str]) -> list[str]:
                        "comparisons (every row that is not a member × every task), p from the exact paired sign-flip "
                        "test (`p`, `p_holm` in results.json); the two average columns are outside the family and "
                        "keep † alone."]
+
+
+def _num(x: float | None, signed: bool = False) -> str:
+    if x is None or x != x:
+        return "—"
+    if math.isinf(x):
+        return ("+" if signed and x > 0 else "") + ("∞" if x > 0 else "-∞")
+    return f"{x:+.3f}" if signed else f"{x:.3f}"
+
+
+def _diff_cell(v: dict | None) -> str:
+    """``+0.012 [-0.010, +0.034]``: a row's score minus the best member's (lower is better); bold where
+    the row is worse, † where the interval excludes 0."""
+    if v is None:
+        return "—"
+    d, ci = v["diff"], v.get("ci")
+    head = f"**{_num(d, True)}**" if d > 1e-12 else _num(d, True)
+    if ci is None:
+        return head
+    return f"{head} [{_num(ci[0], True)}, {_num(ci[1], True)}]" + ("†" if ci[0] > 0 or ci[1] < 0 else "")
+
+
+def proper_lines(results: dict) -> list[str]:
+    """The likelihood tasks' proper scores (``tokenfuse.eval.proper``): each row's mean NLL and Brier
+    score per task, then its paired difference from the best member by that score."""
+    proper = results.get("proper")
+    if not proper:
+        return []
+    tasks = list(proper["best"])
+    head = "| method | " + " | ".join(f"{t} {s}" for t in tasks for s in ("NLL", "Brier")) + " |"
+    rule = "|" + "---|" * (2 * len(tasks) + 1)
+    rows = [m for m in results["overview"] if any("proper" in results["tasks"][t].get(m, {}) for t in tasks)]
+
+    def cells(m: str, key) -> list[str]:
+        out = []
+        for t in tasks:
+            p = results["tasks"][t].get(m, {}).get("proper")
+            out += ["—", "—"] if p is None else [key(p, s) for s in ("nll", "brier")]
+        return out
+
+    values = ["", "Proper scores (likelihood form; `tokenfuse.eval.proper`): the gold option's NLL (nats) and the "
+              "Brier score, means over the items, of each row's distribution over the options — the softmax of "
+              "the options' summed log-likelihoods (not the per-byte scores `acc` ranks by); lower is better; "
+              "`—`: no distribution (a row that chooses an option, or one whose options are all −inf on an item); "
+              "the last row knows nothing (every option alike):", "", head, rule]
+    values += [f"| {m} | " + " | ".join(cells(m, lambda p, s: _num(p[s]))) + " |" for m in rows]
+    values.append("| uniform | " + " | ".join(_num(proper["uniform"][t][s]) for t in tasks
+                                              for s in ("nll", "brier")) + " |")
+    gains = ["", "Proper scores against the best member by each score (per task, the member with the lowest mean on "
+             "the task's items): the row's mean minus the member's with its paired bootstrap 95 % interval "
+             f"({proper['resamples']:,} resamples of the items, seed {proper['seed']}); negative = the row is better; **bold** = worse, † = the interval "
+             "excludes 0 (no Holm: the exact sign-flip test is for 0/1 values); the best members: "
+             + "; ".join(f"{t} {b['nll']}" if b["nll"] == b["brier"] else f"{t} {b['nll']} (NLL), {b['brier']} (Brier)"
+                         for t, b in proper["best"].items()) + ":",
+             "", head, rule]
+    gains += [f"| {m} | " + " | ".join(cells(m, lambda p, s: _diff_cell(p.get("vs_best", {}).get(s)))) + " |"
+              for m in rows if not m.startswith("single:")]
+    return values + gains
 
 
 def primary_lines(results: dict) -> list[str]:
@@ -446,10 +513,14 @@ def plot(results: dict, path: Path) -> Path | None:
     return path
 
 
+def write_json(results: dict, path: Path) -> None:
+    """``results.json`` as ``tokenfuse eval`` writes it (one form, so a rewrite changes only what changed)."""
+    path.write_text(json.dumps(results, indent=1, ensure_ascii=False, allow_nan=True) + "\n", encoding="utf-8")
+
+
 def write_outputs(results: dict, out: Path) -> None:
     """``results.json``, ``results.md`` and ``results.png`` under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False, allow_nan=True) + "\n",
-                                      encoding="utf-8")
+    write_json(results, out / "results.json")
     (out / "results.md").write_text(markdown_table(results), encoding="utf-8")
     plot(results, out / "results.png")

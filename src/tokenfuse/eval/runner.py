@@ -1,8 +1,11 @@
 """``tokenfuse eval``: every method on the same seeded items of every task, members loaded once.
 
-Flow: load the members once → for each task, pick its fixed seeded subset (``Task.subset``) → for
-each engine method (each member alone, then the ensembles, built on the same loaded members and the
-same union vocabulary) run the items batch by batch across the rows, appending one JSON line per
+Flow: load the members once → for each task, pick its fixed seeded subset (``Task.subset``) and,
+where the config names no primary member, rank the members alone on dev items to choose it
+(``task_primary``; with ``auto``, its choice on dev items too, ``choose_on_dev``; dev records are
+shared across runs through ``tokenfuse.eval.devcache``; each dev stage logs one line when it starts
+and one when it is done) → for each engine method (each member alone, then the ensembles, built on
+the same loaded members and the same union vocabulary) run the items batch by batch across the rows, appending one JSON line per
 finished item (in the likelihood form the rows share the members' forwards through a ``RowMemo``:
 the same member fed the same ids by two rows computes once; in the generate form each row takes
 the batch's prompts from the members' prefix caches, which the previous row filled) →
@@ -47,10 +50,12 @@ from tokenfuse.eval.answers import DEFAULT_SAMPLES, DEFAULT_TEMPERATURE
 from tokenfuse.eval.methods import MethodSpec, parse_methods, plan_methods
 from tokenfuse.eval.records import append_records, item_file, keep_if_made_by, read_records
 from tokenfuse.eval.rows import generate_records, likelihood_records, output_record
-from tokenfuse.progress import progress_bar
+from tokenfuse.paths import cache_dir
+from tokenfuse.progress import on_terminal, progress_bar
 from tokenfuse.tasks import prompt_form
 
 FORMS = ("likelihood", "generate")
+PROGRESS_EVERY = 60.0  # off a terminal: at most one line per this many seconds while the items of a task run
 DEFAULT_TASKS = ("gsm8k", "mmlu", "arc_challenge", "arc_easy", "piqa", "boolq", "triviaqa", "nq_open", "bbh")
 
 
@@ -66,8 +71,12 @@ class EvalSettings:
         max_new_tokens: per-task generation limits overriding the task's own (``{"gsm8k": 192}``).
         dev_limit: dev items per task for the ``auto`` row's choice (every row and candidate; default
             500 in the likelihood form, 200 in the generate form, ``eval.auto.dev_counts``).
-        member_dev_limit: dev items the members alone are ranked on for it (the same defaults; never
-            fewer than ``dev_limit``).
+        member_dev_limit: dev items the members alone are ranked on, for ``auto`` (the same defaults;
+            never fewer than ``dev_limit``) and for the task's primary member (default without
+            ``auto``: as many as the task's test items, at most those defaults,
+            ``eval.auto.primary_dev_count``).
+        dev_cache: reuse dev records across runs (``tokenfuse.eval.devcache``): on in ``tokenfuse eval``
+            (``--no-dev-cache`` turns it off), off by default here.
         samples, sample_temperature: ``mux``/``sc``'s ``k`` and temperature (``tokenfuse.eval.answers``;
             the samples are seeded from ``seed``).
     """
@@ -87,7 +96,8 @@ class EvalSettings:
     samples: int = DEFAULT_SAMPLES  # mux / sc: answers each member samples per item for mux (k; sc takes k × M)
     sample_temperature: float = DEFAULT_TEMPERATURE  # mux / sc: the samples' temperature
     dev_limit: int | None = None  # auto's dev items per task (default ``eval.auto.DEV_LIMITS`` by form: 500 / 200)
-    member_dev_limit: int | None = None  # auto: the members alone (default ``eval.auto.MEMBER_DEV_LIMITS`` by form)
+    member_dev_limit: int | None = None  # the members alone (default ``eval.auto.primary_dev_count``)
+    dev_cache: bool = False  # dev records shared across runs (``eval.devcache``); ``tokenfuse eval`` turns it on
     auto_choices: dict[str, dict] = field(default_factory=dict)  # filled by the run: auto's choice per task
     threshold: float | None = None  # gac-threshold's threshold where the config has no gate (``--threshold``)
     primaries: dict[str, dict] = field(default_factory=dict)  # filled by the run: each task's primary member
@@ -113,14 +123,14 @@ def build_variant(cfg, base, spec: MethodSpec, *, progress: bool = False):
     return base.variant(variant.options, weights=[mc.weight for mc in variant.members], progress=progress)
 
 
-def run_task(cfg, base, task, specs: Sequence[MethodSpec],
-             settings: EvalSettings) -> dict[str, list[dict]]:
+def run_task(cfg, base, task, specs: Sequence[MethodSpec], settings: EvalSettings, *,
+             log: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
     """Run (or resume) every row of one task; returns the records per method, in item order. With an
     ``auto`` row its choice is made on dev items first (``choose_on_dev``, recorded in
     ``settings.auto_choices``) and the chosen configuration runs with the table's rows."""
-    items = task.subset(settings.limits.get(task.name, settings.limit), settings.seed)
+    items = task_items(task, settings)
     table = [s for s in specs if s.kind != "auto"]
-    chosen = choose_on_dev(cfg, base, task, table, settings) if len(table) < len(specs) else None
+    chosen = choose_on_dev(cfg, base, task, table, settings, log=log) if len(table) < len(specs) else None
     extra = [chosen] if chosen is not None and chosen.name not in {s.name for s in table} else []
     records = run_rows(cfg, base, task, table + extra, items, settings)
     if chosen is not None:
@@ -133,37 +143,65 @@ def run_task(cfg, base, task, specs: Sequence[MethodSpec],
     return records
 
 
-def task_primary(cfg, base, task, methods: Sequence[str], settings: EvalSettings) -> str:
+def task_items(task, settings: EvalSettings) -> list[dict]:
+    """The task's test items of this run: its fixed seeded subset for ``--limit`` / ``--task-limits``."""
+    return task.subset(settings.limits.get(task.name, settings.limit), settings.seed)
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def task_primary(cfg, base, task, methods: Sequence[str], settings: EvalSettings, *,
+                 log: Callable[[str], None] | None = None) -> str:
     """The task's primary member (it gates, drafts, leads ``contrast`` and breaks ties): the config's
     ``primary``, else its highest member ``score`` (``EnsembleConfig.primary_name``), else — with two
     members or more and a row besides the members alone — the member best on the task's dev items:
-    the members alone on ``auto.dev_counts``' member count (the records ``auto`` ranks them on too;
-    ties: member order). Recorded in ``settings.primaries``."""
+    the members alone on ``auto.primary_dev_count`` items (with ``auto`` in the run its member count,
+    the records ``auto`` ranks them on too; without it no more than the run's test items of the task;
+    ties: member order). Recorded in ``settings.primaries``; ``log`` (default: standard error) gets
+    one line when the ranking starts and one when it is done."""
     from tokenfuse.eval import auto
 
+    log = log or stderr_log
     names = [m.name for m in cfg.members]
     fixed = cfg.primary is not None or any(m.score is not None for m in cfg.members)
     if fixed or len(names) < 2 or set(methods) <= {"single"}:
         settings.primaries[task.name] = {"member": cfg.primary_name, "from": "config"}
         return cfg.primary_name
-    _, member_limit = auto.dev_counts(task_form(task, settings.mc), settings.dev_limit, settings.member_dev_limit)
-    items = task.dev_subset(member_limit, settings.seed)
+    with_auto = "auto" in methods
+    count = auto.primary_dev_count(task_form(task, settings.mc), len(task_items(task, settings)),
+                                   with_auto=with_auto, dev_limit=settings.dev_limit,
+                                   member_dev_limit=settings.member_dev_limit)
+    items = task.dev_subset(count, settings.seed)
     if not items:
         raise TokenfuseError(f"task {task.name!r} has no dev items to choose its primary member on: "
                              "set `primary` (or the members' `score`) in the config, or --primary")
+    log(f"dev {task.name}: ranking {len(names)} members alone on {len(items)} dev items "
+        f"(for the primary member{' and auto' if with_auto else ''})")
+    t0 = time.perf_counter()
     ranked = run_rows(cfg, base, task, [MethodSpec(f"single:{n}", "engine", (n,)) for n in names], items,
                       settings, split="dev")
     best = auto.best_single(ranked).split(":", 1)[1]
     acc = {n: auto.accuracy(ranked[f"single:{n}"]) for n in names}
     settings.primaries[task.name] = {"member": best, "from": "dev", "dev_items": len(items), "dev_acc": acc}
+    log(f"dev {task.name}: primary {best} (dev accuracy {', '.join(f'{n} {_pct(a)}' for n, a in acc.items())}), "
+        f"{time.perf_counter() - t0:.1f} s")
     return best
 
 
-def choose_on_dev(cfg, base, task, table: Sequence[MethodSpec], settings: EvalSettings) -> MethodSpec:
+def choose_on_dev(cfg, base, task, table: Sequence[MethodSpec], settings: EvalSettings, *,
+                  log: Callable[[str], None] | None = None) -> MethodSpec:
     """``auto`` (``tokenfuse.eval.auto``): every table row and candidate on the dev items, then the
-    choice; returns the chosen row or candidate."""
+    choice; returns the chosen row or candidate. ``log`` (default: standard error) gets a line when
+    each dev stage starts and when it is done."""
     from tokenfuse.eval import auto
 
+    log = log or stderr_log
     form = task_form(task, settings.mc)
     limit, member_limit = auto.dev_counts(form, settings.dev_limit, settings.member_dev_limit)
     dev_items = task.dev_subset(limit, settings.seed)
@@ -173,10 +211,22 @@ def choose_on_dev(cfg, base, task, table: Sequence[MethodSpec], settings: EvalSe
     # dev_items the first of them), every other row and candidate on dev_items.
     member_items = task.dev_subset(member_limit, settings.seed)
     singles = [s for s in table if s.name.startswith("single:")]
+    primary = settings.primaries.get(task.name, {})
+    again = primary.get("from") == "dev" and primary.get("dev_items") == len(member_items)  # task_primary's
+    if not again:
+        log(f"dev {task.name}: ranking {len(singles)} members alone on {len(member_items)} dev items (for auto)")
+    t0 = time.perf_counter()
     ranked = run_rows(cfg, base, task, singles, member_items, settings, split="dev")
+    if not again:
+        log(f"dev {task.name}: members ranked for auto, {time.perf_counter() - t0:.1f} s")
     extra = auto.candidates(cfg, ranked)  # they follow the members' dev accuracies; then all rows share forwards
+    log(f"dev {task.name}: auto runs {len(table) + len(extra)} rows and candidates on {len(dev_items)} dev items")
+    t0 = time.perf_counter()
     dev = run_rows(cfg, base, task, [*table, *extra], dev_items, settings, split="dev")
     choice = auto.choose(dev, ranked)
+    log(f"dev {task.name}: auto chose {choice.chosen} (dev accuracy {_pct(choice.dev_acc[choice.chosen])}; "
+        f"best member {choice.best_single.split(':', 1)[1]} {_pct(choice.dev_acc[choice.best_single])}), "
+        f"{time.perf_counter() - t0:.1f} s")
     spec = next(s for s in [*table, *extra] if s.name == choice.chosen)
     config = auto.chosen_config(cfg, spec)
     pool = {"source": task.dev_source, "size": len(task.dev_items()), "asked": limit, "member_asked": member_limit}
@@ -250,7 +300,11 @@ def run_rows_batch_by_batch(cfg, base, task, specs: Sequence[MethodSpec], items:
 
     ``score(ensemble, items, state)`` gives a row's records for its items of the batch; ``state`` is
     what ``new_batch()`` made for the batch, shared by its rows; ``postfix(state)`` after each batch
-    is shown on the progress bar."""
+    is shown on the progress bar. On dev items (``where`` ending in ``-dev``) the records of earlier
+    runs come from the dev cache first, and the new ones go to it (``tokenfuse.eval.devcache``). Off
+    a terminal (a log file, a pipe), with progress on, a plain line ``<desc>: n/N items, S s`` is
+    written after a batch once ``PROGRESS_EVERY`` seconds have passed since the last one, besides
+    the progress display's own line at the end."""
     out = Path(settings.out)
     paths = {s.name: item_file(out, task.name, where, s.name) for s in specs}
     for s in specs:
@@ -258,14 +312,22 @@ def run_rows_batch_by_batch(cfg, base, task, specs: Sequence[MethodSpec], items:
         if moved is not None:
             print(f"{task.name}-{where} {s.name}: configured otherwise than its records; they were moved to "
                   f"{moved} and the row runs again", file=sys.stderr)
+    cache, keys = dev_cache(cfg, base, task, specs, items, settings, where=where)
+    if cache is not None:
+        taken = {s.name: cache.fill(keys[s.name], paths[s.name], s.name) for s in specs if s.name in keys}
+        if sum(taken.values()):
+            print(f"{task.name}-{where}: {sum(taken.values())} records of {sum(n > 0 for n in taken.values())} "
+                  f"rows taken from the dev cache ({cache.root})", file=sys.stderr, flush=True)
     todo = {s.name: {str(it["id"]) for it in items} - set(read_records(paths[s.name])) for s in specs}
     rows = [s for s in specs if todo[s.name]]
     if not rows:
         return
     variants = {s.name: build_variant(cfg, base, s, progress=settings.progress) for s in rows}
     pending = [it for it in items if any(str(it["id"]) in todo[s.name] for s in rows)]
-    with progress_bar(total=len(items), desc=f"eval {task.name}-{where} ({len(rows)} rows)", unit="item",
-                      enabled=settings.progress, initial=len(items) - len(pending)) as bar:
+    desc = f"eval {task.name}-{where} ({len(rows)} rows)"
+    done, shown = len(items) - len(pending), 0.0
+    lines = settings.progress and not on_terminal()
+    with progress_bar(total=len(items), desc=desc, unit="item", enabled=settings.progress, initial=done) as bar:
         for start in range(0, len(pending), batch_size):
             batch = pending[start:start + batch_size]
             state = new_batch()
@@ -276,11 +338,36 @@ def run_rows_batch_by_batch(cfg, base, task, specs: Sequence[MethodSpec], items:
                     for r in new:
                         r["method"] = spec.name
                     append_records(paths[spec.name], new)
+                    if spec.name in keys:
+                        cache.add(keys[spec.name], new)
             if postfix is not None:
                 bar.set_postfix_str(postfix(state), refresh=False)
             bar.update(len(batch))
+            done += len(batch)
+            elapsed = bar.format_dict["elapsed"] if lines and done < len(items) else 0.0
+            if elapsed - shown >= PROGRESS_EVERY:
+                print(f"{desc}: {done}/{len(items)} items, {elapsed:.1f} s", file=sys.stderr, flush=True)
+                shown = elapsed
     del variants
     gc.collect()
+
+
+def dev_cache(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict], settings: EvalSettings, *,
+              where: str):
+    """The dev cache for the engine rows ``specs`` on dev items and each cacheable row's key
+    (``tokenfuse.eval.devcache``); ``(None, {})`` on test items, with the cache off, or when no row
+    is cacheable."""
+    from tokenfuse.eval import devcache
+
+    if not where.endswith("-dev") or not settings.dev_cache:
+        return None, {}
+    form = task_form(task, settings.mc)
+    limit = settings.max_new_tokens.get(task.name) or task.max_new_tokens
+    keys = {s.name: k for s in specs
+            if (k := devcache.row_key(cfg, base, s, task=task.name, form=form, max_new_tokens=limit)) is not None}
+    if not keys:
+        return None, {}
+    return devcache.DevCache(cache_dir(cfg.cache_dir), task, form, items), keys
 
 
 def run_generate_rows(cfg, base, task, specs: Sequence[MethodSpec], items: Sequence[dict],
@@ -329,7 +416,7 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
     from tokenfuse.eval.report import summarise, write_outputs
     from tokenfuse.tasks import load_task
 
-    log = log or (lambda msg: print(msg, file=sys.stderr))
+    log = log or stderr_log
     methods = parse_methods(settings.methods)
     tasks = [load_task(t, settings.data, num_fewshot=settings.num_fewshot) for t in settings.tasks]
     if members is None:
@@ -348,12 +435,12 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
     for task in tasks:
         form = task_form(task, settings.mc)
         t0 = time.perf_counter()
-        primary = task_primary(cfg, base, task, methods, settings)
+        primary = task_primary(cfg, base, task, methods, settings, log=log)
         tcfg = cfg if primary == cfg.primary_name else cfg.with_overrides(primary=primary, origin=f"{task.name}'s primary")
         specs = plan_methods(tcfg, methods, form=form, registered=list(REGISTRY), log=log,
                              primary=primary if settings.primaries[task.name]["from"] == "dev" else None,
                              threshold=settings.threshold)
-        all_records[task.name] = run_task(tcfg, base, task, specs, settings)
+        all_records[task.name] = run_task(tcfg, base, task, specs, settings, log=log)
         forms[task.name] = form
         log(f"{task.name} ({form}): {len(next(iter(all_records[task.name].values()), []))} items, "
             f"{time.perf_counter() - t0:.0f} s")

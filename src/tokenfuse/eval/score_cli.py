@@ -1,0 +1,106 @@
+"""``tokenfuse score FILE...``: bits per byte of a user's own text under the ensemble's rows and each
+member alone (the ``text`` task's rows, docs/methods.md "Proper scores of text").
+
+Parameters: by default the members' weights (``--weights`` or the config's, normalised) are the
+``doc-mix`` and ``gac`` weights, the ``switch`` prior and the ``poe`` exponents, and ``switch`` shares
+``--alpha`` (default 0.01); ``--fitted RESULTS_JSON`` takes them from a ``text`` run instead (its
+``fitted``, for the same members in the same order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tokenfuse.config import EnsembleConfig
+from tokenfuse.errors import TokenfuseError
+
+DEFAULT_ALPHA = 0.01
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "score", help="bits per byte of text files under each member alone and the ensemble's proper rows",
+        description="Score each file's bytes (after each member's start token only) under every member alone, "
+                    "the document-level mixture and the token-level rows gac, switch and poe.")
+    p.add_argument("files", nargs="+", help="UTF-8 text files ('-' reads standard input)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="ensemble config YAML (members, weights)")
+    src.add_argument("--models", help="comma-separated members (default: the three bundled models)")
+    p.add_argument("--weights", help="comma-separated member weights (with --models)")
+    p.add_argument("--primary", help="the member whose tokens the token-level rows predict "
+                                     "(default: highest score in the config, else the first)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help=f"switch: share per token (default {DEFAULT_ALPHA})")
+    p.add_argument("--fitted", help="a text run's results.json: its fitted weights, share and exponents")
+    p.add_argument("--json", action="store_true",
+                   help='print JSON: {"bytes": n, "rows": {"<row>": {"bits_per_byte": x, "bits": b}}} per file')
+    p.add_argument("--pieces", action="store_true",
+                   help="with --json: each token-level row's log-probability of each of the primary's tokens "
+                        "(piece_logprobs, natural log) and their byte lengths (piece_bytes)")
+    return p
+
+
+def _read(path: str) -> str:
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as err:
+        raise TokenfuseError(f"{path}: cannot read it ({err.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TokenfuseError(f"{path}: not UTF-8 text (byte {err.start} is not valid UTF-8)") from None
+
+
+def _fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: float) -> dict:
+    from tokenfuse.engine.text_rows import Fitted
+
+    if path is None:
+        return {"doc-mix": Fitted(weights=weights), "gac": Fitted(weights=weights),
+                "switch": Fitted(weights=weights, alpha=alpha), "poe": Fitted(beta=weights)}
+    try:
+        data = json.loads(Path(path).read_text())
+        fit, members = data["fitted"], data["members"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise TokenfuseError(f"--fitted {path}: not a text run's results.json (it needs 'fitted' and 'members')") from None
+    if members != names:
+        raise TokenfuseError(f"--fitted {path}: fit for members {', '.join(members)}; this ensemble is "
+                             f"{', '.join(names)} (the same members, in the same order)")
+    out = {}
+    for row, p in fit.items():
+        out[row] = Fitted(weights=np.array(p["weights"]) if "weights" in p else None, alpha=p.get("alpha"),
+                          beta=np.array(p["beta"]) if "beta" in p else None)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenfuse.engine.text_features import Rows
+    from tokenfuse.eval.text import row_names, score_texts
+    from tokenfuse.load import load_ensemble
+
+    if not 0 <= args.alpha <= 1:
+        raise TokenfuseError(f"--alpha: expected a number in [0, 1], got {args.alpha}")
+    texts = [_read(f) for f in args.files]
+    cfg = EnsembleConfig.from_args(args)
+    ens = load_ensemble(cfg, progress=not args.json)
+    names = [m.name for m in ens.members]
+    w = np.array([m.weight for m in ens.members], dtype=np.float64)
+    fitted = _fitted(args.fitted, names, w / w.sum(), args.alpha)
+    members = [Rows.from_member(m) for m in ens.members]
+    results = score_texts(members, texts, ens.primary, fitted, pieces=args.pieces)
+    if args.json:
+        out = results[0] if len(results) == 1 else {"files": dict(zip(args.files, results))}
+        print(json.dumps(out))
+        return 0
+    rows = row_names(members)
+    print("| row | " + " | ".join(args.files) + " |")
+    print("|---" * (len(args.files) + 1) + "|")
+    for row in rows:
+        print(f"| {row} | " + " | ".join(f"{r['rows'][row]['bits_per_byte']:.4f}" for r in results) + " |")
+    print(f"bits per byte; primary {names[ens.primary]}; " + ", ".join(f"{f}: {r['bytes']:,} bytes"
+                                                                        for f, r in zip(args.files, results)),
+          file=sys.stderr)
+    return 0
