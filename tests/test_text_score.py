@@ -190,7 +190,9 @@ def test_text_run_writes_results_and_resumes(make_tiny, tmp_path, monkeypatch, c
     capsys.readouterr()
     assert cli.main(args) == 0  # a rerun computes nothing again and gives the same numbers
     assert "3 already done" in capsys.readouterr().err
-    assert _json.loads((tmp_path / "out" / "results.json").read_text())["rows"] == res["rows"]
+    again = _json.loads((tmp_path / "out" / "results.json").read_text())
+    assert again["rows"] == res["rows"]
+    assert all(again["seconds"][k] >= res["seconds"][k] for k in res["seconds"])  # the cost adds up
     with pytest.raises(TokenfuseError, match="text .* runs on its own"):
         from tokenfuse.eval import cli as eval_cli
         eval_cli.run(cli.build_parser().parse_args(["eval", "--tasks", "text,piqa"]))

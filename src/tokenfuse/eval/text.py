@@ -132,6 +132,16 @@ def _features(members: Sequence[Rows], docs: Sequence[Document], primary: int, s
     return feats  # type: ignore[return-value]
 
 
+def _add_seconds(out: Path, now: dict[str, float]) -> dict[str, float]:
+    """Each stage's seconds summed over every invocation of the run (``seconds.json``): a resumed run
+    adds what it spent, so the record stays the run's whole cost."""
+    path = out / "seconds.json"
+    total = json.loads(path.read_text()) if path.is_file() else {}
+    total = {k: round(total.get(k, 0.0) + v, 1) for k, v in now.items()}
+    path.write_text(json.dumps(total) + "\n")
+    return total
+
+
 def row_names(members: Sequence[Rows]) -> list[str]:
     return [f"single:{m.name}" for m in members] + list(text_rows.ROWS)
 
@@ -240,8 +250,8 @@ def run_text(members: Sequence[Rows], settings: TextSettings) -> dict:
     results = {"task": "text", "members": names, "primary": names[primary], "dev_bpb": dev_bpb,
                "fitted": {row: p.as_dict() for row, p in fitted.items()},
                "dev_documents": len(dev), "test_documents": len(test),
-               "seconds": {"choose_primary": round(t_choose, 1), "dev_features": round(t_dev, 1),
-                           "test_features": round(t_test, 1)}}
+               "seconds": _add_seconds(out, {"choose_primary": t_choose, "dev_features": t_dev,
+                                             "test_features": t_test})}
     results |= aggregate(records, rows, names)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text(markdown(results))
