@@ -18,7 +18,7 @@ import numpy as np
 
 from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import DocFeatures
-from tokenfuse.eval.text import _doc_key, per_domain
+from tokenfuse.eval.text import doc_key, per_domain
 from tokenfuse.tasks.text import load_documents
 
 
@@ -31,12 +31,10 @@ def main() -> None:
     args = ap.parse_args()
     run = Path(args.run)
     res = json.loads((run / "results.json").read_text())
-    p = res["fitted"][args.row]
-    fitted = text_rows.Fitted(weights=np.array(p["weights"]) if "weights" in p else None, alpha=p.get("alpha"),
-                              beta=np.array(p["beta"]) if "beta" in p else None)
+    fitted = text_rows.Fitted.from_dict(res["fitted"][args.row])
     folder = run / "features" / f"test-{res['primary']}"
     for d in per_domain(load_documents("test"), args.docs):
-        f = DocFeatures.from_npz(np.load(folder / f"{_doc_key(d)}.npz"))
+        f = DocFeatures.from_npz(np.load(folder / f"{doc_key(d)}.npz"))
         true, cand = text_rows.components(f, len(res["members"]))
         row = text_rows.token_logprobs(args.row, true, cand, f, fitted)
         alone = np.log(f.p_true)

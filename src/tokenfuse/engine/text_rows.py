@@ -110,6 +110,12 @@ class Fitted:
     alpha: float | None = None  # switch
     beta: np.ndarray | None = None  # poe
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Fitted:
+        """The inverse of ``as_dict`` (a ``text`` run's ``results.json`` ``fitted`` entry)."""
+        return cls(weights=np.array(d["weights"]) if "weights" in d else None, alpha=d.get("alpha"),
+                   beta=np.array(d["beta"]) if "beta" in d else None)
+
     def as_dict(self) -> dict:
         out = {}
         if self.weights is not None:

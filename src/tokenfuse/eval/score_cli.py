@@ -69,11 +69,7 @@ def _fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: floa
     if members != names:
         raise TokenfuseError(f"--fitted {path}: fit for members {', '.join(members)}; this ensemble is "
                              f"{', '.join(names)} (the same members, in the same order)")
-    out = {}
-    for row, p in fit.items():
-        out[row] = Fitted(weights=np.array(p["weights"]) if "weights" in p else None, alpha=p.get("alpha"),
-                          beta=np.array(p["beta"]) if "beta" in p else None)
-    return out
+    return {row: Fitted.from_dict(p) for row, p in fit.items()}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import DocFeatures, Rows, doc_features, primary_tokens
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.eval.runner import stderr_log
 from tokenfuse.eval.stats import holm
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
@@ -66,11 +66,7 @@ class TextSettings:
     progress: bool = True
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _doc_key(doc: Document) -> str:
+def doc_key(doc: Document) -> str:
     return hashlib.sha1(doc.id.encode()).hexdigest()[:16]
 
 
@@ -92,7 +88,7 @@ def _choose_primary(members: Sequence[Rows], dev: Sequence[Document], out: Path,
     path = out / "dev-single.json"
     done: dict[str, dict[str, float]] = json.loads(path.read_text()) if path.is_file() else {}
     nbytes = sum(d.nbytes for d in dev)
-    _say(f"text dev: each of {len(members)} members alone on {len(dev)} dev documents ({nbytes:,} bytes), "
+    stderr_log(f"text dev: each of {len(members)} members alone on {len(dev)} dev documents ({nbytes:,} bytes), "
          "to choose the primary")
     for m in members:
         mine = done.setdefault(m.name, {})
@@ -105,7 +101,7 @@ def _choose_primary(members: Sequence[Rows], dev: Sequence[Document], out: Path,
                 bar.update(1)
     bpb = {m.name: sum(done[m.name][d.id] for d in dev) / nbytes for m in members}
     best = min(range(len(members)), key=lambda i: bpb[members[i].name])
-    _say("text dev bits per byte: " + ", ".join(f"{k} {v:.4f}" for k, v in bpb.items())
+    stderr_log("text dev bits per byte: " + ", ".join(f"{k} {v:.4f}" for k, v in bpb.items())
          + f" -> primary {members[best].name}")
     return best, bpb
 
@@ -116,17 +112,17 @@ def _features(members: Sequence[Rows], docs: Sequence[Document], primary: int, s
     folder.mkdir(parents=True, exist_ok=True)
     feats: list[DocFeatures | None] = []
     for d in docs:
-        p = folder / f"{_doc_key(d)}.npz"
+        p = folder / f"{doc_key(d)}.npz"
         feats.append(DocFeatures.from_npz(np.load(p)) if p.is_file() else None)
     todo = [k for k, f in enumerate(feats) if f is None]
-    _say(f"text {split}: {len(members)} members' numbers on {len(docs)} documents "
+    stderr_log(f"text {split}: {len(members)} members' numbers on {len(docs)} documents "
          f"({sum(d.nbytes for d in docs):,} bytes; {len(docs) - len(todo)} already done), primary {members[primary].name}")
     vocabs: dict = {}
     with progress_bar(total=len(docs), initial=len(docs) - len(todo), desc=f"{split} documents", unit="doc",
                       enabled=progress) as bar:
         for k in todo:
             f = doc_features(docs[k].text, members, primary, vocabs=vocabs)
-            np.savez(folder / f"{_doc_key(docs[k])}.npz", **f.to_npz())
+            np.savez(folder / f"{doc_key(docs[k])}.npz", **f.to_npz())
             feats[k] = f
             bar.update(1)
     return feats  # type: ignore[return-value]
@@ -234,7 +230,7 @@ def run_text(members: Sequence[Rows], settings: TextSettings) -> dict:
     dev_f = _features(members, dev, primary, "dev", out, settings.progress)
     t_dev = time.perf_counter() - t0 - t_choose
     fitted = text_rows.fit(dev_f, len(members))
-    _say("text fit on dev: " + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
+    stderr_log("text fit on dev: " + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
     test_f = _features(members, test, primary, "test", out, settings.progress)
     t_test = time.perf_counter() - t0 - t_choose - t_dev
     rows = row_names(members)
@@ -266,12 +262,12 @@ def score_texts(members: Sequence[Rows], texts: Sequence[str], primary: int, fit
         f = doc_features(text, members, primary)
         nbytes = len(text.encode("utf-8"))
         rows = {}
+        true, cand = text_rows.components(f, len(members)) if pieces else (None, None)
         for row in row_names(members):
             p = fitted.get(row, text_rows.Fitted())
             lp = text_rows.row_logprob(row, f, [m.name for m in members], p)
             entry = {"bits_per_byte": _bits(lp) / max(nbytes, 1), "bits": _bits(lp)}
             if pieces and row in text_rows.TOKEN_ROWS:
-                true, cand = text_rows.components(f, len(members))
                 entry["piece_logprobs"] = [round(float(x), 5) for x in text_rows.token_logprobs(row, true, cand, f, p)]
             rows[row] = entry
         item = {"bytes": nbytes, "rows": rows}
