@@ -450,6 +450,7 @@ def test_a_top_id_with_half_the_mass_skips_the_multi_id_masses(members, ens, spa
     outs = {i: MemberOutput(logprobs=lps[i]) for i in range(3)}
     asked = []
     beats = ens.decider._beats_multi
-    monkeypatch.setattr(ens.decider, "_beats_multi", lambda i, s, e, t: asked.append(len(s)) or beats(i, s, e, t))
+    monkeypatch.setattr(ens.decider, "_beats_multi",
+                        lambda i, s, rows, e, t, out: asked.append(len(rows)) or beats(i, s, rows, e, t, out))
     assert ens.decider.agreement(seqs, [0, 1, 2], outs) == [the, the, the, -1] == old_agreement(union, [0, 1, 2], lps)
     assert asked and all(n == 2 for n in asked)  # rows 2 and 3 only, for each member holding multi-id entries

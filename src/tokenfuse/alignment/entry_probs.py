@@ -35,10 +35,16 @@ class _Tables:
     rep_multi: torch.Tensor  # int64[M']: the representable entries of ``multi``
     rep_ids: torch.Tensor  # int64[M', K]: all their ids
     other: torch.Tensor  # int64[·]: the ids that are not text (map -1), ascending
+    target: torch.Tensor  # int64[V_i]: each id's entry where every member can hold it, else -1
 
     def to(self, device: torch.device) -> _Tables:
         return _Tables(self.spare, *(getattr(self, f).to(device) for f in
-                                     ("first", "multi", "extra", "gather", "rep_multi", "rep_ids", "other")))
+                                     ("first", "multi", "extra", "gather", "rep_multi", "rep_ids", "other", "target")))
+
+
+def _host(x: torch.Tensor) -> bool:
+    """``x`` is float32 on the CPU (numpy can read it as it is)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 def ordered_sum(x: torch.Tensor) -> torch.Tensor:
@@ -82,9 +88,10 @@ class EntryProbs:
         gather = np.where(representable, first, spare).astype(np.int32 if spare < 2**31 - 1 else np.int64)
         rep = representable[multi]
         rep_ids = np.concatenate([first[multi[rep], None], extra[rep]], axis=1)
+        target = np.where((m >= 0) & representable[np.maximum(m, 0)], m, -1).astype(np.int64)
         t = torch.from_numpy
         return _Tables(spare, t(first), t(multi), t(extra), t(gather), t(multi[rep]), t(rep_ids),
-                       t(np.nonzero(m < 0)[0]))
+                       t(np.nonzero(m < 0)[0]), t(target))
 
     def _tables(self, member: int, device: torch.device) -> _Tables:
         key = (member, device)
@@ -168,12 +175,84 @@ class EntryProbs:
         text[:, other] = -torch.inf
         return text.logsumexp(-1)
 
-    def probs(self, member: int, logprobs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    def head(self, member: int, logprobs: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The member's likely entries and its rows' text + END log mass, from one pass over its
+        vocabulary (``sparse_average``; numpy on a CPU, several times faster there than torch):
+
+        * ``int64[n]``, ascending: the entries every member can hold that get an id of probability
+          ``exp(logprobs)`` at least ``floor`` in some row, and those the member holds under several
+          ids. Any other entry's probability (``probs``) is, in every row, below ``floor`` over the
+          row's mass: its one id, if any, has less than ``floor``.
+        * ``float64[R]``: ``text_logmass`` to float32 precision (the mass summed in float32, a
+          relative error of a few 1e-7), for bounds and comparisons; ``text_logmass`` itself where the
+          ids that are not text hold half of the row or more, or a sum is not finite.
+        """
+        t = self._tables(member, logprobs.device)
+        width = logprobs.shape[-1]
+        other = t.other if width >= t.spare else t.other[t.other < width]
+        if _host(logprobs):
+            p = np.exp(logprobs.numpy())
+            hot = p[:, : t.spare] >= floor
+            ids = torch.from_numpy(np.flatnonzero(hot.any(0) if len(hot) > 1 else hot[0]))
+            whole = torch.from_numpy(p.sum(-1))
+            rest = torch.from_numpy(p[:, other.numpy()].sum(-1) + p[:, t.spare:].sum(-1))
+        else:
+            p = logprobs.float().exp()
+            ids = torch.nonzero((p[:, : t.spare] >= floor).any(0))[:, 0]
+            whole, rest = p.sum(-1), p[:, other].sum(-1) + p[:, t.spare:].sum(-1)
+        entries = t.target[ids]
+        entries = torch.unique(torch.cat([entries[entries >= 0], t.rep_multi]))
+        if bool(((rest < 0.5 * whole) & (whole > 1e-30) & torch.isfinite(whole)).all()):
+            return entries, torch.log((whole - rest).double())
+        return entries, self.text_logmass(member, logprobs)
+
+    def multi_masses(self, member: int, logprobs: torch.Tensor) -> torch.Tensor:
+        """``float64[R, M]``: each row's mass (not renormalised) on each entry the member holds under
+        several ids (``multi``), added in the ids' order; on a CPU in numpy (a few microseconds)."""
+        t = self._tables(member, logprobs.device)
+        ids = torch.cat([t.first[t.multi, None], t.extra], dim=1)  # [M, K], spare-padded
+        if not _host(logprobs):
+            return self.masses(member, logprobs, t.multi, log=True).double()
+        a, ids = logprobs.numpy(), ids.numpy()
+        vals = np.where(ids < min(a.shape[-1], t.spare), a[:, np.minimum(ids, a.shape[-1] - 1)], -np.inf)
+        p = np.exp(vals.astype(np.float64))
+        out = p[..., 0]
+        for k in range(1, p.shape[-1]):
+            out = out + p[..., k]
+        return torch.from_numpy(out)
+
+    def close_probs(self, member: int, logprobs: torch.Tensor, entries: torch.Tensor,
+                    logmass: torch.Tensor) -> torch.Tensor:
+        """``probs`` of ``entries`` (``int64[n]``, every row; each ``>= 0``) given ``logmass``
+        (``head``): the same numbers to float64 rounding, for comparisons. On a CPU in
+        numpy, whose small gathers cost a few microseconds where torch's cost tens."""
+        if not _host(logprobs):
+            return self.probs(member, logprobs, entries, logmass)
+        t = self._tables(member, logprobs.device)
+        e = entries.numpy()
+        ids = t.first.numpy()[e][:, None]
+        if t.multi.numel():
+            multi = t.multi.numpy()
+            slot = np.minimum(np.searchsorted(multi, e), len(multi) - 1)
+            ids = np.concatenate([ids, np.where((multi[slot] == e)[:, None], t.extra.numpy()[slot], t.spare)], axis=1)
+        a = logprobs.numpy()
+        width = min(a.shape[-1], t.spare)
+        vals = np.where(ids < width, a[:, np.minimum(ids, a.shape[-1] - 1)], -np.inf).astype(np.float64)
+        p = np.exp(vals - logmass.numpy()[:, None, None])
+        out = p[..., 0]
+        for k in range(1, p.shape[-1]):  # in the ids' order, as ``ordered_sum``
+            out = out + p[..., k]
+        return torch.from_numpy(out)
+
+    def probs(self, member: int, logprobs: torch.Tensor, entries: torch.Tensor,
+              logmass: torch.Tensor | None = None) -> torch.Tensor:
         """The member's probabilities ``float64[R, n]`` of ``entries`` (``int64[R, n]``, or ``[n]``
-        for every row; ``-1``: probability 0), renormalised over its text + END ids. Unlike
-        ``project``, an entry some member cannot hold keeps its probability."""
+        for every row; ``-1``: probability 0), renormalised over its text + END ids (``logmass``: their
+        ``text_logmass``, if the caller has it). Unlike ``project``, an entry some member cannot hold
+        keeps its probability."""
         vals = self._gathered(member, logprobs, entries, -torch.inf).double()
-        return ordered_sum((vals - self.text_logmass(member, logprobs)[:, None, None]).exp())
+        logmass = self.text_logmass(member, logprobs) if logmass is None else logmass
+        return ordered_sum((vals - logmass[:, None, None]).exp())
 
     def logprobs(self, member: int, logprobs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """``log`` of ``probs`` (``-inf`` where it is 0)."""

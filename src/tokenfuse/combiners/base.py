@@ -93,6 +93,10 @@ class StepView:
         stage: the engine's stage timer (``stage("align")`` is a context manager).
         log_factors: per member, a per-row log weight factor ``float64[R]`` from the step decision's
             strategies (prompt weights, per-step confidence); a member without one has factor 1.
+        argmax_only: only each row's most likely entry is taken from the distribution (greedy,
+            untraced rows, nothing reshapes it): a combiner may return a ``Dist`` over a few
+            candidate columns, provided each row's largest one is the whole distribution's argmax
+            with no tie (``sparse_average``).
     """
 
     space: VocabSpace
@@ -104,6 +108,7 @@ class StepView:
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     stage: Callable[[str], AbstractContextManager] = _untimed
     log_factors: dict[int, torch.Tensor] = field(default_factory=dict)
+    argmax_only: bool = False
 
     @property
     def rows(self) -> int:
@@ -230,6 +235,50 @@ def weighted_average(probs: Sequence[torch.Tensor], weights: Sequence[float | to
     for p, w in live:
         out.add_(p, alpha=w / total)
     return out
+
+
+# ``sparse_average``: an entry is a candidate where some member gives one of its ids probability
+# FLOOR or more; a row's best candidate must beat the bound on every other entry and its runner-up by
+# the factor 1 + MARGIN (far above the float rounding by which the dense average can differ).
+FLOOR, MARGIN = 0.01, 1e-4
+
+
+def sparse_average(view: StepView, weights: Sequence[tuple[int, float | torch.Tensor]]) -> Dist | None:
+    """``weighted_average`` of the projected members (``weights``: ``Combiner.weights``) over a few
+    candidate entries, for a view that only wants each row's argmax (``StepView.argmax_only``); or
+    ``None`` where that argmax is not certain (the caller then averages over the whole union).
+
+    The candidates are the entries some member gives an id of probability ``FLOOR`` or more, or holds
+    under several ids (``EntryProbs.head``). Any other entry's average is below the bound
+    ``Σ w_i FLOOR / Z_i`` (normalised weights, ``Z_i`` member i's text + END mass). Where each row's
+    best candidate exceeds the bound and its runner-up by the factor ``1 + MARGIN``, it is the argmax
+    of the dense average too, which computes the same numbers (in float32, by the same rule) to a few
+    units in the last place, without a tie; else ``None``. Costs one pass over each member's
+    vocabulary (``EntryProbs.head``: its text mass and a threshold) instead of a projection into the
+    whole union.
+    """
+    pj = view.space.projector
+    live = normalise(weights)
+    heads = {i: pj.head(i, view.logprobs[i], FLOOR) for i, _ in live}
+    device = view.logprobs[live[0][0]].device
+    cands = torch.unique(torch.cat([heads[i][0].to(device) for i, _ in live]))
+    if not cands.numel():
+        return None
+    total = bound = None
+    for i, w in live:
+        lp, logmass = view.logprobs[i], heads[i][1]
+        p = pj.close_probs(i, lp, cands.to(lp.device), logmass)
+        w = w if isinstance(w, float) else w.to(p)
+        term = p * (w if isinstance(w, float) else w[:, None])
+        rest = FLOOR * w / logmass.exp()
+        total = term if total is None else total + term.to(total.device)
+        bound = rest if bound is None else bound + rest.to(bound.device)
+    top = total.topk(min(2, total.shape[-1]), dim=-1).values
+    second = top[:, 1] if top.shape[-1] > 1 else torch.zeros_like(top[:, 0])
+    sure = (top[:, 0] > (1 + MARGIN) * bound) & (top[:, 0] > (1 + MARGIN) * second)
+    if not bool(sure.all()):
+        return None
+    return Dist(total.float(), index=cands.to(total.device).expand(len(total), -1))
 
 
 REGISTRY: dict[str, type[Combiner]] = {}

@@ -18,7 +18,7 @@ averaging; all end-of-sequence / end-of-turn tokens share one END entry.
 
 from __future__ import annotations
 
-from tokenfuse.combiners.base import Combiner, Dist, StepView, register, weighted_average
+from tokenfuse.combiners.base import Combiner, Dist, StepView, register, sparse_average, weighted_average
 
 
 @register
@@ -28,4 +28,6 @@ class GaC(Combiner):
 
     def combine(self, view: StepView) -> Dist:
         live = self.weights(view)
+        if view.argmax_only and (few := sparse_average(view, live)) is not None:
+            return few  # the few candidate entries that hold each row's argmax
         return Dist(weighted_average([view.project(i) for i, _ in live], [w for _, w in live]))

@@ -71,6 +71,8 @@ class Decider:
         self.gate, self.threshold = gates[0] if gates else (None, None)
         self.prefills = any(st.prefills for st in self.strategies)  # scoring cannot share member rows
         self.speculative_ok = all(st.speculative for st in self.strategies)
+        # the choice is the combined distribution's argmax on greedy rows (no strategy reshapes it)
+        self.reshapes_none = all(type(st).reshape is Strategy.reshape for st in self.strategies)
         drafting = [st for st in self.strategies if st.chunk() is not None]
         self.rounds: Strategy | None = drafting[0] if drafting else None  # drafted rounds (SAFE)
 
@@ -202,6 +204,7 @@ class Decider:
         if combined:
             view = self.view([seqs[r] for r in combined], members, outs,
                              None if len(combined) == len(seqs) else torch.tensor(combined))
+            view.argmax_only = not traced and self.reshapes_none and all(seqs[r].sampling.greedy for r in combined)
             dist = self.distribution(view, members)
             with self.timer.stage("choose"):
                 for st in self.strategies:
@@ -271,7 +274,7 @@ class Decider:
                 # the other rows need the multi-id masses (a margin covers the float32 rounding of ``tops``)
                 unsure = np.flatnonzero(ok & (tops < SURE))
                 if unsure.size:
-                    ok[unsure] &= self._beats_multi(i, [seqs[r] for r in unsure], entries[unsure], tops[unsure])
+                    ok[unsure] &= self._beats_multi(i, seqs, unsure, entries[unsure], tops[unsure], outs[i])
             for r, e in enumerate(entries.tolist()):
                 if not ok[r] or agreed[r] not in (-2, e):
                     agreed[r] = -1
@@ -279,19 +282,31 @@ class Decider:
                     agreed[r] = e
         return [max(a, -1) for a in agreed]
 
-    def _beats_multi(self, i: int, seqs: list[OpenSequence], entries: np.ndarray, tops: np.ndarray) -> np.ndarray:
-        """Per row: member ``i``'s mass on ``entries`` (the entries of its most likely text ids, whose
-        log-probabilities are ``tops``) is at least that of each entry it holds under several ids."""
+    def _beats_multi(self, i: int, seqs: list[OpenSequence], rows: np.ndarray, entries: np.ndarray, tops: np.ndarray,
+                     out: MemberOutput) -> np.ndarray:
+        """Per row of ``rows``: member ``i``'s mass on ``entries`` (the entries of its most likely text
+        ids, whose log-probabilities are ``tops``) is at least that of each entry it holds under several
+        ids (``out``: the member's output on ``seqs``; with top-k output the member is asked for those ids)."""
         proj = self.space.projector
-        ids = proj.ids(i, proj.multi(i))  # [M, K]
-        lp = self.members[i].token_logprobs([s.states[i] for s in seqs],
-                                            torch.where(ids == proj.vocab(i), 0, ids).flatten().expand(len(seqs), -1))
-        multi, ids = proj.multi(i, lp.device), ids.to(lp.device)
-        sums = proj.total(i, ids, lp.view(len(seqs), *ids.shape).double().exp())  # [R, M]
-        e = torch.from_numpy(entries).to(lp.device)
+        multi = proj.multi(i)
+        if out.logprobs is not None:
+            sums = proj.multi_masses(i, out.logprobs)[torch.from_numpy(rows)]  # [R, M]
+        else:
+            ids = proj.ids(i, multi)  # [M, K]
+            seqs = [seqs[r] for r in rows]
+            lp = self.members[i].token_logprobs([s.states[i] for s in seqs],
+                                                torch.where(ids == proj.vocab(i), 0, ids).flatten().expand(len(seqs), -1))
+            sums = proj.total(i, ids.to(lp.device), lp.view(len(seqs), *ids.shape).double().exp())
+        if sums.device.type == "cpu":  # a few numbers a row: numpy's small operations cost microseconds
+            m, got = multi.numpy(), sums.numpy()
+            slot = np.minimum(np.searchsorted(m, entries), len(m) - 1)
+            own = np.where(m[slot] == entries, got[np.arange(len(got)), slot], np.exp(tops.astype(np.float64)))
+            return own >= got.max(-1)
+        multi = multi.to(sums.device)
+        e = torch.from_numpy(entries).to(sums.device)
         slot = torch.searchsorted(multi, e).clamp_max(len(multi) - 1)
         own = torch.where(multi[slot] == e, sums.gather(1, slot.unsqueeze(-1))[:, 0],
-                          torch.from_numpy(tops).to(lp.device).double().exp())
+                          torch.from_numpy(tops).to(sums.device).double().exp())
         return (own >= sums.max(-1).values).cpu().numpy()
 
     def choose(self, dist: Dist, rows: list[int], seqs: list[OpenSequence]) -> list[int]:
