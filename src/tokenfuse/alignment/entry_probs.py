@@ -48,7 +48,7 @@ def _host(x: torch.Tensor) -> bool:
 
 
 def ordered_sum(x: torch.Tensor) -> torch.Tensor:
-    """``x[..., 0] + x[..., 1] + ...`` in that order (the last dimension is small)."""
+    """``x[..., 0] + x[..., 1] + ...`` in that order (the last dimension is small; a numpy array too)."""
     out = x[..., 0]
     for k in range(1, x.shape[-1]):
         out = out + x[..., k]
@@ -208,24 +208,15 @@ class EntryProbs:
 
     def multi_masses(self, member: int, logprobs: torch.Tensor) -> torch.Tensor:
         """``float64[R, M]``: each row's mass (not renormalised) on each entry the member holds under
-        several ids (``multi``), added in the ids' order; on a CPU in numpy (a few microseconds)."""
+        several ids (``multi``), added in the ids' order."""
         t = self._tables(member, logprobs.device)
-        ids = torch.cat([t.first[t.multi, None], t.extra], dim=1)  # [M, K], spare-padded
-        if not _host(logprobs):
-            return self.masses(member, logprobs, t.multi, log=True).double()
-        a, ids = logprobs.numpy(), ids.numpy()
-        vals = np.where(ids < min(a.shape[-1], t.spare), a[:, np.minimum(ids, a.shape[-1] - 1)], -np.inf)
-        p = np.exp(vals.astype(np.float64))
-        out = p[..., 0]
-        for k in range(1, p.shape[-1]):
-            out = out + p[..., k]
-        return torch.from_numpy(out)
+        return self.close_probs(member, logprobs, t.multi, logprobs.new_zeros(len(logprobs), dtype=torch.float64))
 
     def close_probs(self, member: int, logprobs: torch.Tensor, entries: torch.Tensor,
                     logmass: torch.Tensor) -> torch.Tensor:
         """``probs`` of ``entries`` (``int64[n]``, every row; each ``>= 0``) given ``logmass``
-        (``head``): the same numbers to float64 rounding, for comparisons. On a CPU in
-        numpy, whose small gathers cost a few microseconds where torch's cost tens."""
+        (``head``): the same numbers to float64 rounding, for comparisons. On a CPU in numpy, whose
+        small gathers cost a few microseconds where torch's cost tens."""
         if not _host(logprobs):
             return self.probs(member, logprobs, entries, logmass)
         t = self._tables(member, logprobs.device)
@@ -236,13 +227,8 @@ class EntryProbs:
             slot = np.minimum(np.searchsorted(multi, e), len(multi) - 1)
             ids = np.concatenate([ids, np.where((multi[slot] == e)[:, None], t.extra.numpy()[slot], t.spare)], axis=1)
         a = logprobs.numpy()
-        width = min(a.shape[-1], t.spare)
-        vals = np.where(ids < width, a[:, np.minimum(ids, a.shape[-1] - 1)], -np.inf).astype(np.float64)
-        p = np.exp(vals - logmass.numpy()[:, None, None])
-        out = p[..., 0]
-        for k in range(1, p.shape[-1]):  # in the ids' order, as ``ordered_sum``
-            out = out + p[..., k]
-        return torch.from_numpy(out)
+        vals = np.where(ids < min(a.shape[-1], t.spare), a[:, np.minimum(ids, a.shape[-1] - 1)], -np.inf)
+        return torch.from_numpy(ordered_sum(np.exp(vals.astype(np.float64) - logmass.numpy()[:, None, None])))
 
     def probs(self, member: int, logprobs: torch.Tensor, entries: torch.Tensor,
               logmass: torch.Tensor | None = None) -> torch.Tensor:

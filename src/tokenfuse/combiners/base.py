@@ -259,26 +259,23 @@ def sparse_average(view: StepView, weights: Sequence[tuple[int, float | torch.Te
     """
     pj = view.space.projector
     live = normalise(weights)
-    heads = {i: pj.head(i, view.logprobs[i], FLOOR) for i, _ in live}
     device = view.logprobs[live[0][0]].device
-    cands = torch.unique(torch.cat([heads[i][0].to(device) for i, _ in live]))
+    heads = {i: pj.head(i, view.logprobs[i], FLOOR) for i, _ in live}
+    cands = torch.unique(torch.cat([entries.to(device) for entries, _ in heads.values()]))
     if not cands.numel():
         return None
-    total = bound = None
+    total = bound = 0.0
     for i, w in live:
-        lp, logmass = view.logprobs[i], heads[i][1]
-        p = pj.close_probs(i, lp, cands.to(lp.device), logmass)
-        w = w if isinstance(w, float) else w.to(p)
-        term = p * (w if isinstance(w, float) else w[:, None])
-        rest = FLOOR * w / logmass.exp()
-        total = term if total is None else total + term.to(total.device)
-        bound = rest if bound is None else bound + rest.to(bound.device)
+        logmass = heads[i][1].to(device)
+        w = w if isinstance(w, float) else w.to(device)
+        total = total + pj.close_probs(i, view.logprobs[i], cands, logmass) * (w if isinstance(w, float) else w[:, None])
+        bound = bound + FLOOR * w / logmass.exp()
     top = total.topk(min(2, total.shape[-1]), dim=-1).values
     second = top[:, 1] if top.shape[-1] > 1 else torch.zeros_like(top[:, 0])
     sure = (top[:, 0] > (1 + MARGIN) * bound) & (top[:, 0] > (1 + MARGIN) * second)
     if not bool(sure.all()):
         return None
-    return Dist(total.float(), index=cands.to(total.device).expand(len(total), -1))
+    return Dist(total.float(), index=cands.expand(len(total), -1))
 
 
 REGISTRY: dict[str, type[Combiner]] = {}
