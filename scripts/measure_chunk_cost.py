@@ -4,8 +4,10 @@ What speculative decoding would pay for verifying k drafted positions in one cal
 prefilled, each member feeds k more ids in one call keeping the logits of all k positions
 (``Member.logprobs_at``), rolled back and repeated; the median ms per call and its ratio to k = 1 are
 printed, with the member on one thread (members side by side) and on every core (a member alone).
+``--exact`` loads the members with ``exact_calls`` (weights as stored, flash attention, BF16 KV cache:
+what a shared context's calls of at most 7 rows cost there).
 
-Usage: .venv/bin/python scripts/measure_chunk_cost.py [--ks 1,2,4,8,16] [--repeats 15]
+Usage: .venv/bin/python scripts/measure_chunk_cost.py [--ks 1,2,4,8,16] [--repeats 15] [--exact]
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ks", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--exact", action="store_true", help="members with exact_calls: true")
     a = ap.parse_args()
     ks = [int(k) for k in a.ks.split(",")]
     for name in DEFAULT_ENSEMBLE:
-        m = load_member(MemberConfig(name=name, prefix_cache=False), progress=False)
+        m = load_member(MemberConfig(name=name, prefix_cache=False, exact_calls=a.exact), progress=False)
         ids = m.encode_prompt(PROMPT)
         cut = len(ids) - max(ks)
         for threads in sorted({1, cpu_cores()}):

@@ -292,6 +292,19 @@ def test_streams_speculative_and_scoring_equal_the_plain_paths(exact_members, co
     assert [r.logprob for r in Ensemble(ms).loglikelihood(requests)] == [r.logprob for r in plain.loglikelihood(requests, stepwise=True)]
 
 
+def test_streams_speculative_batch_equals_one_by_one(exact_members, context_members):
+    """Four sequences' speculative rounds run together on the shared context (each drafted position
+    one drafter call for all, each member's verification one call for all): every output is the
+    prompt's plain output alone, bit for bit (member ids and steps too)."""
+    ms = [exact_members[f] for f in FAMILIES]
+    plain = Ensemble([context_members[f] for f in FAMILIES])
+    batch = Ensemble(ms, speculative={"k": 4}).generate(PROMPTS, max_new_tokens=16)
+    for p, g in zip(PROMPTS, batch, strict=True):
+        ref = plain.generate(p, max_new_tokens=16)
+        assert (g.output, g.member_ids, g.steps) == (ref.output, ref.member_ids, ref.steps)
+        assert g.accepted > 0
+
+
 def test_more_sequences_than_slots_get_contexts_of_their_own(exact_members, context_members):
     """``multi_seq: 2`` with 5 live sequences: the first 2 new ones take the shared context's ids, the
     others contexts of their own (nothing waits or fails), every row the one-by-one row; once the

@@ -125,8 +125,8 @@ def test_one_forward_scoring_feeds_each_member_in_few_forwards(make_tiny, one_th
     ens = Ensemble(ms, primary=ms[1].name)
     calls = {m.name: 0 for m in ms}
     for m in ms:
-        original = m._forward_at
-        monkeypatch.setattr(m, "_forward_at", lambda st, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(st, ends))
+        original = m._forward_at_many
+        monkeypatch.setattr(m, "_forward_at_many", lambda sts, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(sts, ends))
     text = " the cat sat on the mat and looked at the dog"
     (got,) = ens.loglikelihood([(CONTEXT, text)])
     assert got.pieces == len(ms[1].codec.encode_text(text)) > 8
@@ -160,8 +160,8 @@ def test_row_memo_shares_the_members_forwards_and_changes_no_number(make_tiny, o
     requests = [(CONTEXT, c) for c in STRADDLE]
     calls = {m.name: 0 for m in ms}
     for m in ms:
-        original = m._forward_at
-        monkeypatch.setattr(m, "_forward_at", lambda st, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(st, ends))
+        original = m._forward_at_many
+        monkeypatch.setattr(m, "_forward_at_many", lambda sts, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(sts, ends))
     alone, each = [], []
     for ens in rows:
         before = dict(calls)
@@ -177,3 +177,26 @@ def test_row_memo_shares_the_members_forwards_and_changes_no_number(make_tiny, o
     assert (calls[ms[1].name], calls[ms[2].name]) == (each[0][ms[1].name], each[1][ms[2].name])
     assert each[1][ms[0].name] < calls[ms[0].name] <= each[1][ms[0].name] + each[5][ms[0].name]
     assert memo.hits + memo.misses == 14 * len(requests) and len(memo) == memo.misses <= 4 * len(requests)
+
+
+def test_batched_members_score_the_requests_together(make_tiny, one_thread, monkeypatch):
+    """A batched transformers member (``scores_together``) gets every request of one scoring call in
+    one ``logprobs_at_many``; each likelihood is the request's scored alone, to float rounding (the
+    batch's forward pads the rows), and an unbatched member scores one request after another."""
+    ms = [make_tiny("smollm2", seed=1), make_tiny("gemma3", seed=2)]
+    ens = Ensemble(ms)
+    requests = [(CONTEXT, c) for c in STRADDLE if c]
+    sizes = {m.name: [] for m in ms}
+    for m in ms:
+        real = m.logprobs_at_many
+        monkeypatch.setattr(m, "logprobs_at_many", lambda sts, ends, _m=m, _real=real:
+                            sizes[_m.name].append(len(sts)) or _real(sts, ends))
+    together = ens.loglikelihood(requests)
+    assert all(m.scores_together and sizes[m.name][0] == len(requests) for m in ms)
+    for request, got in zip(requests, together):
+        alone = ens.loglikelihood([request])[0]
+        assert got.pieces == alone.pieces and got.logprob == pytest.approx(alone.logprob, rel=1e-5, abs=1e-5)
+    monkeypatch.setattr(ms[0], "batched", False)
+    sizes[ms[0].name].clear()
+    ens.loglikelihood(requests)
+    assert not ms[0].scores_together and set(sizes[ms[0].name]) == {1}

@@ -91,6 +91,21 @@ def test_the_head_bounds_every_entry_it_leaves_out(space, member, seed, scale):
                               rtol=1e-6, atol=0)
 
 
+@settings(max_examples=15, deadline=None)
+@given(member=st.sampled_from([SMOL, QWEN, GEMMA]), seed=st.integers(0, 2**31 - 1), scale=st.floats(0.5, 10.0),
+       rows=st.integers(1, 3))
+def test_the_heads_torch_path_is_its_numpy_path(space, member, seed, scale, rows):
+    """``head`` off the host (here: float64 rows, which numpy does not read as they are; on a GPU: any
+    rows) takes its torch path: the same entries and the same mass as the numpy path to float32
+    precision."""
+    proj = space.projector
+    lp = random_lps(space, rows, seed, scale)[member]
+    entries, logmass = proj.head(member, lp, FLOOR)
+    t_entries, t_logmass = proj.head(member, lp.double(), FLOOR)
+    assert t_entries.tolist() == entries.tolist()
+    assert torch.allclose(t_logmass, logmass, rtol=0, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------ the combination
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 3), scale=st.floats(0.3, 12.0),

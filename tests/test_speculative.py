@@ -61,6 +61,40 @@ def test_a_batch_and_a_stream_give_plain_decodings(members, align_cache, plain):
     assert "".join(spec.stream("Hello", max_new_tokens=16)) == plain["gac"].generate("Hello", max_new_tokens=16).text
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(TEXT, min_size=2, max_size=5), draft=st.sampled_from(["A", "B", "C"]), k=st.integers(1, 5),
+       variant=st.sampled_from(sorted(VARIANTS)), max_new=st.integers(1, 14))
+def test_sequences_stepped_together_give_each_ones_plain_decoding(members, align_cache, plain, prompts, draft, k,
+                                                                  variant, max_new):
+    """Rounds of several sequences run together (one drafter forward per drafted position, one
+    verifying call per member): each sequence's generation is its plain decoding alone."""
+    spec = speculative(members, align_cache, variant, draft=draft, k=k)
+    for prompt, b in zip(prompts, spec.generate(prompts, max_new_tokens=max_new)):
+        same_generation(plain[variant].generate(prompt, max_new_tokens=max_new), b)
+
+
+def test_rounds_of_a_batch_share_the_forwards(members, align_cache, monkeypatch):
+    """Four sequences' rounds: every drafter forward and every verifying call of the first round
+    carries all four (the members batch them: one forward for the rows of a call)."""
+    spec = speculative(members, align_cache, "gac", draft="C", k=3)
+    prompts = ["Hello", "The capital of France is", "日本語", "def f(x):"]
+    seqs = [spec.open(p, sampling=Sampling(), max_new_tokens=12, index=i) for i, p in enumerate(prompts)]
+    spec.step(seqs)  # the prefill's step (plain)
+    calls: dict[str, list[int]] = {"draft": [], "verify": []}
+    for m in members:
+        for name, kind in (("next_logprobs", "draft"), ("logprobs_at_many", "verify")):
+            real = getattr(m, name)
+            monkeypatch.setattr(m, name, lambda states, *a, _real=real, _kind=kind, **kw:
+                                calls[_kind].append(len(states)) or _real(states, *a, **kw))
+    events = spec.step(seqs)
+    assert {e.index for e in events} == {s.index for s in seqs}
+    assert calls["draft"] and set(calls["draft"][:1]) == {4}  # the first drafted position: all four together
+    assert calls["verify"] and set(calls["verify"]) == {4}  # one call per verifying member, all four
+    assert len(calls["verify"]) == 2  # A and B verify (C drafts)
+    for s in seqs:
+        spec.close(s)
+
+
 def test_a_member_with_itself_accepts_every_draft(make_tiny, align_cache, one_thread):
     """Copies of one model: the drafter's choice is the ensemble's, so every drafted piece is taken and
     a round emits k + 1 pieces (the last one before the limit is never drafted)."""

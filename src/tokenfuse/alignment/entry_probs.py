@@ -190,18 +190,19 @@ class EntryProbs:
         t = self._tables(member, logprobs.device)
         width = logprobs.shape[-1]
         other = t.other if width >= t.spare else t.other[t.other < width]
-        if _host(logprobs):
+        if _host(logprobs):  # all in numpy: torch's per-call cost is most of the time on small vocabularies
             p = np.exp(logprobs.numpy())
             hot = p[:, : t.spare] >= floor
-            ids = torch.from_numpy(np.flatnonzero(hot.any(0) if len(hot) > 1 else hot[0]))
-            whole = torch.from_numpy(p.sum(-1))
-            rest = torch.from_numpy(p[:, other.numpy()].sum(-1) + p[:, t.spare:].sum(-1))
-        else:
-            p = logprobs.float().exp()
-            ids = torch.nonzero((p[:, : t.spare] >= floor).any(0))[:, 0]
-            whole, rest = p.sum(-1), p[:, other].sum(-1) + p[:, t.spare:].sum(-1)
-        entries = t.target[ids]
-        entries = torch.unique(torch.cat([entries[entries >= 0], t.rep_multi]))
+            found = t.target.numpy()[np.flatnonzero(hot.any(0) if len(hot) > 1 else hot[0])]
+            whole, rest = p.sum(-1), p[:, other.numpy()].sum(-1) + p[:, t.spare:].sum(-1)
+            entries = torch.from_numpy(np.union1d(found[found >= 0], t.rep_multi.numpy()))
+            if ((rest < 0.5 * whole) & (whole > 1e-30) & np.isfinite(whole)).all():
+                return entries, torch.from_numpy(np.log((whole - rest).astype(np.float64)))
+            return entries, self.text_logmass(member, logprobs)
+        p = logprobs.float().exp()
+        found = t.target[torch.nonzero((p[:, : t.spare] >= floor).any(0))[:, 0]]
+        whole, rest = p.sum(-1), p[:, other].sum(-1) + p[:, t.spare:].sum(-1)
+        entries = torch.unique(torch.cat([found[found >= 0], t.rep_multi]))
         if bool(((rest < 0.5 * whole) & (whole > 1e-30) & torch.isfinite(whole)).all()):
             return entries, torch.log((whole - rest).double())
         return entries, self.text_logmass(member, logprobs)

@@ -170,7 +170,7 @@ class Ensemble:
             with self.timer.stage("resync"):
                 events = {id(s): [s.apply(d)] for s, d in zip(plain, decisions)}
         if len(plain) < len(active):
-            events |= {id(s): spec.round(s) for s in active if id(s) not in events}
+            events |= spec.run([s for s in active if id(s) not in events])
         return [ev for s in active for ev in events[id(s)]]
 
     def close(self, s: OpenSequence) -> None:

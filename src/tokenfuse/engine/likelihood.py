@@ -224,12 +224,35 @@ def _member_rows(member: Member, finals: list[SeqState], befores: list[list[list
     (nothing reads it again): its cache goes back to the member, so the next request sharing its
     context (another option of the same question) reuses that cache in place rather than a copy of
     it — a llama.cpp copy of a cache past a sliding window (Gemma-3) is not exact and is not made,
-    and without this every such option would prefill the whole prompt again."""
-    out = []
-    for final, before in zip(finals, befores):
-        out.append(_rows(member, final, before, memo))
+    and without this every such option would prefill the whole prompt again. A member that scores
+    sequences together (``Member.scores_together``: a batched transformers member, which keeps no
+    prefix cache) gets every request the memo lacks in one ``positions_many``."""
+    if not member.scores_together:
+        out = []
+        for final, before in zip(finals, befores):
+            out.append(_rows(member, final, before, memo))
+            member.release(final)
+        return out
+    got: list[list[torch.Tensor] | None] = [None] * len(finals)
+    todo, again, fed = [], [], set()
+    for r, before in enumerate(befores):
+        key = RowMemo.key(member, before)
+        if memo is not None and key in fed:
+            again.append(r)  # the same id lists as an earlier request of this call: its rows, once computed
+            continue
+        got[r] = memo.get(member, before) if memo is not None else None
+        if got[r] is None:
+            todo.append(r)
+            fed.add(key)
+    for r, rows in zip(todo, positions_many(member, [finals[r] for r in todo], [befores[r] for r in todo])):
+        got[r] = rows
+        if memo is not None:
+            memo.put(member, befores[r], rows)
+    for r in again:  # a hit, as it is when the requests go in turn
+        got[r] = memo.get(member, befores[r])
+    for final in finals:
         member.release(final)
-    return out
+    return got
 
 
 def _rows(member: Member, final: SeqState, before: list[list[int]], memo: RowMemo | None) -> list[torch.Tensor]:
@@ -247,18 +270,31 @@ def positions(member: Member, final: SeqState, before: list[list[int]]) -> list[
     """``member``'s next-token log-probabilities after each id list in ``before`` (its ids before
     each piece, in order), computed on ``final`` (the sequence's state after the last piece, whose
     cache the forwards use and keep): one ``logprobs_at`` per run of lists that only grow."""
-    out: list[torch.Tensor] = []
-    j = 0
-    while j < len(before):
-        end = j + 1  # the run: lists j .. end-1, each a prefix of the next
-        while end < len(before) and _is_prefix(before[end - 1], before[end]):
-            end += 1
-        last = before[end - 1]
-        # feed ``last`` (plus nothing more): the state's ids become it, the cache keeps the common prefix
-        final.drop_cache_after(min(common_prefix(final.cached_ids(), last), len(before[j]) - 1))
-        _set_ids(final, last)
-        out.extend(member.logprobs_at(final, [len(ids) for ids in before[j:end]]))
-        j = end
+    return positions_many(member, [final], [before])[0]
+
+
+def positions_many(member: Member, finals: Sequence[SeqState], befores: Sequence[list[list[int]]]
+                   ) -> list[list[torch.Tensor]]:
+    """``positions`` for several sequences (distinct states) of one member: the first run of each in
+    one ``logprobs_at_many`` (batched where the member batches), then the next run of those that have
+    one (a re-sync re-cut an earlier id), and so on."""
+    out: list[list[torch.Tensor]] = [[] for _ in finals]
+    done = [0] * len(finals)
+    while todo := [r for r in range(len(finals)) if done[r] < len(befores[r])]:
+        ends = []
+        for r in todo:
+            before, j = befores[r], done[r]
+            end = j + 1  # the run: lists j .. end-1, each a prefix of the next
+            while end < len(before) and _is_prefix(before[end - 1], before[end]):
+                end += 1
+            last = before[end - 1]
+            # feed ``last`` (plus nothing more): the state's ids become it, the cache keeps the common prefix
+            finals[r].drop_cache_after(min(common_prefix(finals[r].cached_ids(), last), len(before[j]) - 1))
+            _set_ids(finals[r], last)
+            ends.append([len(ids) for ids in before[j:end]])
+            done[r] = end
+        for r, rows in zip(todo, member.logprobs_at_many([finals[r] for r in todo], ends)):
+            out[r].extend(rows)
     return out
 
 

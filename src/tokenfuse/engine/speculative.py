@@ -32,6 +32,14 @@ rounds, below, refuse what they cannot run).
 ``k`` adapts to what is accepted (``adapt``): the next round drafts one more piece than were
 accepted in this one (at least one, at most ``k``).
 
+Sequences stepped together run their rounds together (``Speculator.run``): each drafted position is
+one drafter forward for every sequence still drafting, and each checking member verifies them all in
+one call (``likelihood.positions_many`` -> ``Member.logprobs_at_many``: one forward per group of
+rows on a batched transformers member, the shared context's calls with ``exact_calls`` on
+llama.cpp, one sequence after another elsewhere); then each sequence is decided on its own rows, as
+alone. The rows are a batch's rows, so they equal one-by-one rows wherever a batched step's do (bit
+for bit on llama.cpp's contexts and with ``exact_calls``; to float rounding on batched transformers).
+
 **Drafted rounds** (a strategy with a ``chunk``, SAFE: ``strategies.base``, ``strategies.safe``)
 run on the same machinery with another step 3: the drafter is the primary member, it drafts
 ``chunk()`` pieces (no adaptation), and position by position the strategy's ``trigger`` says
@@ -52,7 +60,7 @@ import torch
 
 from tokenfuse.alignment.union import END
 from tokenfuse.engine.decide import Decider
-from tokenfuse.engine.likelihood import positions
+from tokenfuse.engine.likelihood import positions_many
 from tokenfuse.engine.options import SpeculativeOptions
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Decision, OpenSequence, StepEvent
@@ -104,54 +112,66 @@ class Speculator:
         return self.rounds is not None or (s.sampling.greedy and s.trace is None and self.decider.speculative_ok
                                            and all(self.members[i].in_process for i in self.check))
 
-    def round(self, s: OpenSequence) -> list[StepEvent]:
-        """One round for ``s`` (see the module docstring): the pieces it emits, in order."""
+    def run(self, seqs: list[OpenSequence]) -> dict[int, list[StepEvent]]:
+        """One round for each of ``seqs`` (see the module docstring), run together: one drafter
+        forward for all of them per drafted position, one verifying call per member for all of them
+        (``positions_many``), then each sequence decided on its own rows. The pieces each emits, in
+        order, by ``id``."""
         d = self.draft
         # the last piece before the limit is never drafted, but a chunk runs up to it (no bonus position)
-        room = s.max_new_tokens - s.steps - (1 if self.rounds is None else 0)
-        k = min(s.draft_k or self.k, room)
-        saved = s.snapshot()
-        drafts, before, own = self._draft(s, k, last=self.rounds is None)
+        ks = [min(s.draft_k or self.k, s.max_new_tokens - s.steps - (1 if self.rounds is None else 0)) for s in seqs]
+        saved = [s.snapshot() for s in seqs]
+        drafts, before, own = self._draft(seqs, ks, last=self.rounds is None)
         with self.decider.timer.stage("forward"):
             others = [i for i in self.check if i != d]
-            rows = self.decider.pool.run(others, lambda i: positions(self.members[i], s.states[i], before[i]))
-        rows[d] = own
-        cached = [st.cached_ids() for st in s.states]  # what each cache holds now
-        s.restore(saved)  # back to before the draft
-        if self.rounds is None:
-            events, accepted = self._decide(s, drafts, rows)  # no forward: the caches are untouched
-        else:
-            events, accepted = self._examine(s, drafts, rows, cut=len(drafts) < k)
-        for st, ids in zip(s.states, cached):  # a cache keeps every position the sequence still holds
-            st.reuse_cache(ids)
-        s.record_round(len(drafts), accepted, max(1, min(self.k, accepted + 1)) if self.adapt else None)
+            checked = self.decider.pool.run(others, lambda i: positions_many(
+                self.members[i], [s.states[i] for s in seqs], [b[i] for b in before]))
+        events = {}
+        for r, s in enumerate(seqs):
+            rows = {i: checked[i][r] for i in others} | {d: own[r]}
+            cached = [st.cached_ids() for st in s.states]  # what each cache holds now
+            s.restore(saved[r])  # back to before the draft
+            if self.rounds is None:
+                got, accepted = self._decide(s, drafts[r], rows)  # no forward: the caches are untouched
+            else:
+                got, accepted = self._examine(s, drafts[r], rows, cut=len(drafts[r]) < ks[r])
+            for st, ids in zip(s.states, cached):  # a cache keeps every position the sequence still holds
+                st.reuse_cache(ids)
+            s.record_round(len(drafts[r]), accepted, max(1, min(self.k, accepted + 1)) if self.adapt else None)
+            events[id(s)] = got
         return events
 
-    def _draft(self, s: OpenSequence, k: int, *, last: bool = True
-               ) -> tuple[list[int], dict[int, list[list[int]]], list[torch.Tensor]]:
-        """The drafter's pieces (up to ``k``), every checked member's ids before each of them and,
-        with ``last`` or a draft cut short, after the last (``before[i]``), and the drafter's own rows there."""
+    def _draft(self, seqs: list[OpenSequence], ks: list[int], *, last: bool = True
+               ) -> tuple[list[list[int]], list[dict[int, list[list[int]]]], list[list[torch.Tensor]]]:
+        """Per sequence: the drafter's pieces (up to its ``ks[r]``), every checked member's ids before
+        each of them and, with ``last`` or a draft cut short, after the last (``before[r][i]``), and the
+        drafter's own rows there. The sequences still drafting share each drafter forward."""
         d = self.draft
         space = self.decider.space
         umap, rep = space.union.maps[d], space.union.representable
-        before: dict[int, list[list[int]]] = {i: [] for i in self.check}
-        drafts: list[int] = []
-        own: list[torch.Tensor] = []
-        while last or len(drafts) < k:
-            for i in self.check:
-                before[i].append(s.states[i].all_ids())
+        before: list[dict[int, list[list[int]]]] = [{i: [] for i in self.check} for _ in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        own: list[list[torch.Tensor]] = [[] for _ in seqs]
+        live = [r for r in range(len(seqs)) if last or ks[r] > 0]
+        while live:
+            for r in live:
+                for i in self.check:
+                    before[r][i].append(seqs[r].states[i].all_ids())
             with self.decider.timer.stage("forward"):  # the drafter alone, on all the cores
-                lp = self.decider.pool.run([d], lambda i: self.members[i].next_logprobs([s.states[i]]))[d]
-            own.append(lp[0])
-            if len(drafts) == k:
-                break
+                lp = self.decider.pool.run([d], lambda i: self.members[i].next_logprobs([seqs[r].states[i] for r in live]))[d]
             ids, _ = MemberOutput(logprobs=lp).top_text(umap)
-            u = int(umap[ids[0]])
-            if u < 0 or u == END or not rep[u] or not self._fits(s, len(space.piece(u))):
-                break
-            drafts.append(u)
-            with self.decider.timer.stage("resync"):
-                s.force(u)
+            going = []
+            for r, row, top in zip(live, lp, ids.tolist()):
+                own[r].append(row)
+                u = int(umap[top])
+                if len(drafts[r]) == ks[r] or u < 0 or u == END or not rep[u] or not self._fits(seqs[r], len(space.piece(u))):
+                    continue  # drafted all it may, or cut short
+                drafts[r].append(u)
+                with self.decider.timer.stage("resync"):
+                    seqs[r].force(u)
+                if last or len(drafts[r]) < ks[r]:
+                    going.append(r)
+            live = going
         return drafts, before, own
 
     def _fits(self, s: OpenSequence, nbytes: int) -> bool:

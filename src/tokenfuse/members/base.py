@@ -152,6 +152,7 @@ class Member(ABC):
     in_process: bool = False  # its weights are in this process (``LocalMember``): logits at any position, cores to share
     weight_bytes: int | None = None  # the size of its weights in this process (None: unknown or elsewhere)
     unloaded: bool = False  # ``unload`` ran: its model is freed and using it raises ``TokenfuseError``
+    scores_together: bool = False  # ``logprobs_at_many`` forwards the sequences together (scoring batches them)
 
     # ------------------------------------------------------------------ prompts
     @property
@@ -310,15 +311,28 @@ class LocalMember(Member):
         of feeding the ids piece by piece wherever the backend's kernels do not depend on how a
         sequence is split into calls (see docs/evaluation.md, "One-forward scoring").
         """
+        return self.logprobs_at_many([st], [ends])[0]
+
+    def logprobs_at_many(self, states: Sequence[SeqState], ends: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """``logprobs_at`` for several sequences at once (``ends[r]`` for ``states[r]``, distinct
+        states): a backend that batches forwards them together (``_forward_at_many``), as a step
+        batches ``next_logprobs`` — speculative verification of many sequences."""
         self.check_loaded()
-        ends = list(ends)
-        if not ends or ends != sorted(ends) or ends[0] <= st.n_valid or ends[-1] > st.length:
-            raise ValueError(f"logprobs_at: ends {ends} must increase within ({st.n_valid}, {st.length}]")
-        rows = self._forward_at(st, ends)
-        st.mark_cached()
-        if ends[-1] == st.length:
-            st.logprobs, st.logprobs_len = rows[-1], st.length
-        return torch.stack(rows)
+        ends = [list(e) for e in ends]
+        for st, e in zip(states, ends):
+            if not e or e != sorted(e) or e[0] <= st.n_valid or e[-1] > st.length:
+                raise ValueError(f"logprobs_at: ends {e} must increase within ({st.n_valid}, {st.length}]")
+        out = []
+        for st, e, rows in zip(states, ends, self._forward_at_many(list(states), ends)):
+            st.mark_cached()
+            if e[-1] == st.length:
+                st.logprobs, st.logprobs_len = rows[-1], st.length
+            out.append(torch.stack(rows))
+        return out
+
+    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
+        """``logprobs_at_many``'s rows; by default ``_forward_at`` for one state after another."""
+        return [self._forward_at(st, e) for st, e in zip(states, ends)]
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Forward the states that need it; by default one chunked forward each."""

@@ -283,13 +283,26 @@ class LlamaCppMember(SharedContext, LocalMember):
         return self._feed(st, [st.length], threads=threads)[0]
 
     def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
+        """One state's rows where ``_forward_at_many`` does not batch them: in a context of its own
+        (``_feed``), or in the shared context without ``exact_calls``."""
         if not (isinstance(st.cache, Stream) or (st.cache is None and self._shared_slots_left() > 0)):
             return self._feed(st, ends)  # a context of its own (no multi_seq, or all its sequence ids live)
-        if not self.exact_calls:
-            return super()._forward_at(st, ends)
-        # the real prompt stays the prompt: the cut rules hold
-        rows = self._forward_streams([st], {id(st): {n - 1 for n in ends}})
-        return [rows[id(st), n - 1] for n in ends]
+        return super()._forward_at(st, ends)
+
+    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
+        """With ``exact_calls`` the sequences of the shared context go in its shared calls together
+        (``_forward_streams``: each row its one-by-one numbers; the real prompt stays the prompt, so
+        the cut rules hold), the others one after another."""
+        if not (self.multi_seq and self.exact_calls):
+            return super()._forward_at_many(states, ends)
+        want, slots = {}, self._shared_slots_left()
+        for st, e in zip(states, ends):  # as ``_forward_batch`` places them
+            if isinstance(st.cache, Stream) or (st.cache is None and slots > 0):
+                slots -= st.cache is None
+                want[id(st)] = {n - 1 for n in e}
+        rows = self._forward_streams([st for st in states if id(st) in want], want) if want else {}
+        return [[rows[id(st), n - 1] for n in e] if id(st) in want else self._feed(st, e)
+                for st, e in zip(states, ends)]
 
     def _feed(self, st: SeqState, ends: list[int], *, threads: int | None = None) -> list[torch.Tensor]:
         """Crop the cache to ``n_valid`` and feed the rest in batches of ``n_batch`` ids (with

@@ -69,6 +69,11 @@ class TransformersMember(LocalMember):
             free()
         super().release(state)
 
+    @property
+    def scores_together(self) -> bool:
+        """Batched: one-forward scoring feeds many requests in one forward (``logprobs_at_many``)."""
+        return self.batched
+
     def cache_bytes(self) -> int:
         """Bytes held by the batched key/value store now (0 unbatched: those caches are the sequences')."""
         return self._store.nbytes() if self._store is not None else 0
@@ -89,19 +94,24 @@ class TransformersMember(LocalMember):
         for each group of longer ones (``row_cache.batches``); else one forward per state."""
         if not self.batched:
             return super()._forward_batch(states)
-        from tokenfuse.members.row_cache import batches
-
-        out: list[torch.Tensor | None] = [None] * len(states)
-        for group in batches(states):
-            rows = self._rows([states[r] for r in group], [[states[r].length] for r in group])
-            for r, got in zip(group, rows):
-                out[r] = got[0]
-        return out
+        return [rows[0] for rows in self._forward_at_many(states, [[st.length] for st in states])]
 
     def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
         if self.batched:
             return self._rows([st], [ends])[0]
         return self._forward_one(st, ends)
+
+    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
+        """Batched: the states in as few forwards as ``_forward_batch`` groups them (``row_cache.batches``)."""
+        if not self.batched:
+            return super()._forward_at_many(states, ends)
+        from tokenfuse.members.row_cache import batches
+
+        out: list[list[torch.Tensor] | None] = [None] * len(states)
+        for group in batches(states):
+            for r, got in zip(group, self._rows([states[r] for r in group], [ends[r] for r in group])):
+                out[r] = got
+        return out
 
     @torch.inference_mode()
     def _rows(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
