@@ -42,6 +42,20 @@ class _Tables:
                                      ("first", "multi", "extra", "gather", "rep_multi", "rep_ids", "other", "target")))
 
 
+def _other_ids(t: _Tables, width: int) -> torch.Tensor:
+    """The member's ids that are not text, of those a row of ``width`` logits holds."""
+    return t.other if width >= t.spare else t.other[t.other < width]
+
+
+def _mass_left(whole: torch.Tensor, rest: torch.Tensor) -> torch.Tensor | None:
+    """``log(whole - rest)`` in float64 (a row's text + END mass: its whole mass less its other ids'),
+    or ``None`` where that difference would lose digits (the other ids hold half the row or more) or
+    a sum underflows or overflows."""
+    if bool(((rest < 0.5 * whole) & (whole > 1e-30) & torch.isfinite(whole)).all()):
+        return torch.log((whole - rest).double())
+    return None
+
+
 def _host(x: torch.Tensor) -> bool:
     """``x`` is float32 on the CPU (numpy can read it as it is)."""
     return x.device.type == "cpu" and x.dtype == torch.float32
@@ -165,12 +179,11 @@ class EntryProbs:
         digits), or the row's probabilities underflow or overflow, the text + END ids' own
         ``logsumexp``."""
         t = self._tables(member, logprobs.device)
-        width = logprobs.shape[-1]
-        other = t.other if width >= t.spare else t.other[t.other < width]
+        other = _other_ids(t, logprobs.shape[-1])
         whole = logprobs.exp().sum(-1, dtype=torch.float64)
         rest = logprobs[:, other].double().exp().sum(-1) + logprobs[:, t.spare:].double().exp().sum(-1)
-        if bool(((rest < 0.5 * whole) & (whole > 1e-30) & torch.isfinite(whole)).all()):
-            return torch.log(whole - rest)
+        if (left := _mass_left(whole, rest)) is not None:
+            return left
         text = logprobs[:, : t.spare].to(torch.float64, copy=True)
         text[:, other] = -torch.inf
         return text.logsumexp(-1)
@@ -188,24 +201,21 @@ class EntryProbs:
           ids that are not text hold half of the row or more, or a sum is not finite.
         """
         t = self._tables(member, logprobs.device)
-        width = logprobs.shape[-1]
-        other = t.other if width >= t.spare else t.other[t.other < width]
-        if _host(logprobs):  # all in numpy: torch's per-call cost is most of the time on small vocabularies
+        other = _other_ids(t, logprobs.shape[-1])
+        if _host(logprobs):  # the passes in numpy: torch's per-call cost is most of the time on small vocabularies
             p = np.exp(logprobs.numpy())
             hot = p[:, : t.spare] >= floor
             found = t.target.numpy()[np.flatnonzero(hot.any(0) if len(hot) > 1 else hot[0])]
-            whole, rest = p.sum(-1), p[:, other.numpy()].sum(-1) + p[:, t.spare:].sum(-1)
             entries = torch.from_numpy(np.union1d(found[found >= 0], t.rep_multi.numpy()))
-            if ((rest < 0.5 * whole) & (whole > 1e-30) & np.isfinite(whole)).all():
-                return entries, torch.from_numpy(np.log((whole - rest).astype(np.float64)))
-            return entries, self.text_logmass(member, logprobs)
-        p = logprobs.float().exp()
-        found = t.target[torch.nonzero((p[:, : t.spare] >= floor).any(0))[:, 0]]
-        whole, rest = p.sum(-1), p[:, other].sum(-1) + p[:, t.spare:].sum(-1)
-        entries = torch.unique(torch.cat([found[found >= 0], t.rep_multi]))
-        if bool(((rest < 0.5 * whole) & (whole > 1e-30) & torch.isfinite(whole)).all()):
-            return entries, torch.log((whole - rest).double())
-        return entries, self.text_logmass(member, logprobs)
+            whole = torch.from_numpy(p.sum(-1))
+            rest = torch.from_numpy(p[:, other.numpy()].sum(-1) + p[:, t.spare:].sum(-1))
+        else:
+            p = logprobs.float().exp()
+            found = t.target[torch.nonzero((p[:, : t.spare] >= floor).any(0))[:, 0]]
+            entries = torch.unique(torch.cat([found[found >= 0], t.rep_multi]))
+            whole, rest = p.sum(-1), p[:, other].sum(-1) + p[:, t.spare:].sum(-1)
+        left = _mass_left(whole, rest)
+        return entries, self.text_logmass(member, logprobs) if left is None else left
 
     def multi_masses(self, member: int, logprobs: torch.Tensor) -> torch.Tensor:
         """``float64[R, M]``: each row's mass (not renormalised) on each entry the member holds under

@@ -267,8 +267,9 @@ def sparse_average(view: StepView, weights: Sequence[tuple[int, float | torch.Te
     total = bound = 0.0
     for i, w in live:
         logmass = heads[i][1].to(device)
-        w = w if isinstance(w, float) else w.to(device)
-        total = total + pj.close_probs(i, view.logprobs[i], cands, logmass) * (w if isinstance(w, float) else w[:, None])
+        w = w if isinstance(w, float) else w.to(device)  # a per-row weight [R]
+        per_entry = w if isinstance(w, float) else w[:, None]
+        total = total + pj.close_probs(i, view.logprobs[i], cands, logmass) * per_entry
         bound = bound + FLOOR * w / logmass.exp()
     top = total.topk(min(2, total.shape[-1]), dim=-1).values
     second = top[:, 1] if top.shape[-1] > 1 else torch.zeros_like(top[:, 0])

@@ -220,27 +220,38 @@ def _one_forward(decider: Decider, seqs: list[OpenSequence], cuts: list[list[int
 
 def _member_rows(member: Member, finals: list[SeqState], befores: list[list[list[int]]],
                  memo: RowMemo | None) -> list[list[torch.Tensor]]:
-    """``_rows`` of each request in turn. A request's state is released as soon as its rows are read
-    (nothing reads it again): its cache goes back to the member, so the next request sharing its
-    context (another option of the same question) reuses that cache in place rather than a copy of
-    it — a llama.cpp copy of a cache past a sliding window (Gemma-3) is not exact and is not made,
-    and without this every such option would prefill the whole prompt again. A member that scores
+    """``_rows`` of each request in turn, or of all of them at once for a member that scores
     sequences together (``Member.scores_together``: a batched transformers member, which keeps no
-    prefix cache) gets every request the memo lacks in one ``positions_many``."""
-    if not member.scores_together:
-        out = []
-        for final, before in zip(finals, befores):
-            out.append(_rows(member, final, before, memo))
-            member.release(final)
-        return out
+    prefix cache). A request's state is released as soon as its rows are read (nothing reads it
+    again): its cache goes back to the member, so the next request sharing its context (another
+    option of the same question) reuses that cache in place rather than a copy of it — a llama.cpp
+    copy of a cache past a sliding window (Gemma-3) is not exact and is not made, and without this
+    every such option would prefill the whole prompt again."""
+    groups = [list(range(len(finals)))] if member.scores_together else [[r] for r in range(len(finals))]
+    out: list[list[torch.Tensor]] = [[] for _ in finals]
+    for group in groups:
+        for r, rows in zip(group, _rows(member, [finals[r] for r in group], [befores[r] for r in group], memo)):
+            out[r] = rows
+        for r in group:
+            member.release(finals[r])
+    return out
+
+
+def _rows(member: Member, finals: list[SeqState], befores: list[list[list[int]]],
+          memo: RowMemo | None) -> list[list[torch.Tensor]]:
+    """``positions_many``, or the memo's rows for the same member and id lists (a hit feeds nothing;
+    requests of this call with the same id lists are fed once, the later ones hits as in turn)."""
     got: list[list[torch.Tensor] | None] = [None] * len(finals)
     todo, again, fed = [], [], set()
     for r, before in enumerate(befores):
-        key = RowMemo.key(member, before)
-        if memo is not None and key in fed:
-            again.append(r)  # the same id lists as an earlier request of this call: its rows, once computed
+        if memo is None:
+            todo.append(r)
             continue
-        got[r] = memo.get(member, before) if memo is not None else None
+        key = RowMemo.key(member, before)
+        if key in fed:
+            again.append(r)
+            continue
+        got[r] = memo.get(member, before)
         if got[r] is None:
             todo.append(r)
             fed.add(key)
@@ -248,22 +259,9 @@ def _member_rows(member: Member, finals: list[SeqState], befores: list[list[list
         got[r] = rows
         if memo is not None:
             memo.put(member, befores[r], rows)
-    for r in again:  # a hit, as it is when the requests go in turn
+    for r in again:
         got[r] = memo.get(member, befores[r])
-    for final in finals:
-        member.release(final)
     return got
-
-
-def _rows(member: Member, final: SeqState, before: list[list[int]], memo: RowMemo | None) -> list[torch.Tensor]:
-    """``positions``, or the memo's rows for the same member and id lists (a hit feeds nothing)."""
-    if memo is None:
-        return positions(member, final, before)
-    rows = memo.get(member, before)
-    if rows is None:
-        rows = positions(member, final, before)
-        memo.put(member, before, rows)
-    return rows
 
 
 def positions(member: Member, final: SeqState, before: list[list[int]]) -> list[torch.Tensor]:

@@ -211,17 +211,23 @@ class LlamaCppMember(SharedContext, LocalMember):
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         if not self.multi_seq:
             return self._forward_own(states)
-        shared, own, slots = [], [], self._shared_slots_left()
-        for st in states:  # the shared context while it has a sequence id free, then contexts of their own
-            if isinstance(st.cache, Stream) or (st.cache is None and slots > 0):
-                slots -= st.cache is None
-                shared.append(st)
-            else:
-                own.append(st)
+        placed = self._in_shared(states)
+        shared = [st for st, sh in zip(states, placed) if sh]
+        own = [st for st, sh in zip(states, placed) if not sh]
         out = dict(zip(map(id, shared), self._forward_multi(shared) if shared else []))
         if own:
             out.update(zip(map(id, own), self._forward_own(own)))
         return [out[id(st)] for st in states]
+
+    def _in_shared(self, states: list[SeqState]) -> list[bool]:
+        """Where each state runs: the shared context (``multi_seq``) while it has a sequence id free
+        (or the state holds one already), else a context of its own."""
+        slots, placed = self._shared_slots_left(), []
+        for st in states:
+            placed.append(isinstance(st.cache, Stream) or (st.cache is None and slots > 0))
+            if placed[-1] and st.cache is None:
+                slots -= 1
+        return placed
 
     def _forward_own(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Sequences in contexts of their own: side by side (``tokenfuse.members.side_by_side``)."""
@@ -285,7 +291,7 @@ class LlamaCppMember(SharedContext, LocalMember):
     def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
         """One state's rows where ``_forward_at_many`` does not batch them: in a context of its own
         (``_feed``), or in the shared context without ``exact_calls``."""
-        if not (isinstance(st.cache, Stream) or (st.cache is None and self._shared_slots_left() > 0)):
+        if not self._in_shared([st])[0]:
             return self._feed(st, ends)  # a context of its own (no multi_seq, or all its sequence ids live)
         return super()._forward_at(st, ends)
 
@@ -295,11 +301,7 @@ class LlamaCppMember(SharedContext, LocalMember):
         the cut rules hold), the others one after another."""
         if not (self.multi_seq and self.exact_calls):
             return super()._forward_at_many(states, ends)
-        want, slots = {}, self._shared_slots_left()
-        for st, e in zip(states, ends):  # as ``_forward_batch`` places them
-            if isinstance(st.cache, Stream) or (st.cache is None and slots > 0):
-                slots -= st.cache is None
-                want[id(st)] = {n - 1 for n in e}
+        want = {id(st): {n - 1 for n in e} for st, e, shared in zip(states, ends, self._in_shared(states)) if shared}
         rows = self._forward_streams([st for st in states if id(st) in want], want) if want else {}
         return [[rows[id(st), n - 1] for n in e] if id(st) in want else self._feed(st, e)
                 for st, e in zip(states, ends)]

@@ -87,24 +87,18 @@ class TransformersMember(LocalMember):
             torch.cuda.empty_cache()
 
     def _forward(self, st: SeqState) -> torch.Tensor:
-        return self._forward_at(st, [st.length])[0]
+        return self._forward_batch([st])[0]
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Every state's pending ids: batched, one forward for the rows with one id pending and one
         for each group of longer ones (``row_cache.batches``); else one forward per state."""
-        if not self.batched:
-            return super()._forward_batch(states)
         return [rows[0] for rows in self._forward_at_many(states, [[st.length] for st in states])]
 
-    def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
-        if self.batched:
-            return self._rows([st], [ends])[0]
-        return self._forward_one(st, ends)
-
     def _forward_at_many(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
-        """Batched: the states in as few forwards as ``_forward_batch`` groups them (``row_cache.batches``)."""
+        """Batched: the states in as few forwards as ``row_cache.batches`` groups them; else one
+        forward per state (``_forward_one``)."""
         if not self.batched:
-            return super()._forward_at_many(states, ends)
+            return [self._forward_one(st, e) for st, e in zip(states, ends)]
         from tokenfuse.members.row_cache import batches
 
         out: list[list[torch.Tensor] | None] = [None] * len(states)
