@@ -398,6 +398,39 @@ def test_a_build_with_amx_kernels_runs_members_with_exact_calls_and_says_how_to_
     assert torch.equal(seen[-1], seen[-2])
 
 
+def test_loading_members_in_threads_calls_system_info_one_at_a_time(monkeypatch):
+    """``llama_print_system_info`` rebuilds one static std::string in place: two threads in it at once
+    corrupt the heap ("munmap_chunk(): invalid pointer" at start-up, before any output). Members load
+    in threads (``load_ensemble``) and each checks its build (``amx_build``), so every call must hold
+    ``LOAD_LOCK``: a spy in its place sees the lock held and never a second caller inside."""
+    import threading
+    import time
+
+    import llama_cpp
+    from conftest import SHORT
+
+    from tokenfuse.config import EnsembleConfig, MemberConfig
+    from tokenfuse.load import load_ensemble
+    from tokenfuse.members.llamacpp_lib import LOAD_LOCK
+
+    real, guard, inside, calls = llama_cpp.llama_print_system_info, threading.Lock(), [], []
+
+    def spy():
+        with guard:
+            inside.append(threading.get_ident())
+            calls.append((LOAD_LOCK.locked(), len(inside)))
+        time.sleep(0.05)  # a window in which another loader thread's call would be counted
+        with guard:
+            inside.remove(threading.get_ident())
+        return real()
+
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", spy)
+    cfg = EnsembleConfig(members=[MemberConfig(name=n, source=s, backend="llamacpp") for n, s in SHORT.items()])
+    with load_ensemble(cfg, progress=False) as ens:
+        assert len(ens.members) == 3
+    assert len(calls) == 3 and all(locked and alone == 1 for locked, alone in calls), calls
+
+
 @pytest.mark.real
 def test_llama_cpp_log_lines_go_through_logging_not_stderr(llamacpp_members, capfd, caplog):
     """Gemma-3's context creation notice ("using full-size SWA cache") reaches the logger

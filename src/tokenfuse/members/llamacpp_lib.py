@@ -16,9 +16,16 @@ from typing import Any
 from tokenfuse.errors import ModelNotInstalledError
 
 PIP_LLAMACPP = 'pip install "llama-cpp-python==0.3.36"'
-# llama-cpp-python silences llama.cpp while it loads by redirecting the process's stdout/stderr
-# file descriptors; two threads doing that at once leave them pointing at /dev/null for good.
-# Model and context creation therefore take this lock (members may be loaded in threads).
+# Members load in threads (``tokenfuse.load``), so every call into llama.cpp or llama-cpp-python that
+# touches state of the whole process takes this lock:
+# - model and context creation: llama-cpp-python silences llama.cpp while it loads by redirecting
+#   the process's stdout/stderr file descriptors; two threads doing that at once leave them
+#   pointing at /dev/null for good;
+# - ``llama_print_system_info`` (``system_info``): it rebuilds one static std::string in place, so
+#   two threads in it at once corrupt the heap and the process aborts (glibc's "munmap_chunk():
+#   invalid pointer", "free(): invalid pointer", "double free or corruption"); each member's
+#   build check (``amx_build``) called it from its loader thread;
+# - the log callback (``route_logs``), set once per process.
 LOAD_LOCK = threading.Lock()
 
 log = logging.getLogger("tokenfuse.llama_cpp")
@@ -46,8 +53,13 @@ def route_logs(llama_cpp) -> None:
     logger ``tokenfuse.llama_cpp`` instead of stderr: errors at ERROR, everything else at DEBUG, so a
     terminal stays clean unless logging is turned up (``tokenfuse --verbose``, ``TOKENFUSE_LOG=debug``)."""
     global _log_callback
-    if _log_callback is not None:
-        return
+    with LOAD_LOCK:
+        if _log_callback is None:
+            _log_callback = _route(llama_cpp)
+
+
+def _route(llama_cpp):
+    """The callback, set in llama.cpp (the caller holds ``LOAD_LOCK``)."""
 
     @llama_cpp.llama_log_callback
     def callback(level: int, text: bytes, _user_data) -> None:
@@ -57,8 +69,15 @@ def route_logs(llama_cpp) -> None:
         if log.isEnabledFor(_last_level):
             log.log(_last_level, "%s", text.decode("utf-8", errors="replace").rstrip("\n"))
 
-    _log_callback = callback
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    return callback
+
+
+def system_info(llama_cpp: Any) -> str:
+    """``llama_print_system_info()``: the backends and CPU features of this build. The one caller of
+    it in tokenfuse: it holds ``LOAD_LOCK``, since llama.cpp's function is not thread-safe (above)."""
+    with LOAD_LOCK:
+        return llama_cpp.llama_print_system_info().decode(errors="replace")
 
 
 def amx_build(llama_cpp: Any) -> bool:
@@ -68,7 +87,7 @@ def amx_build(llama_cpp: Any) -> bool:
     so a member of such a build runs with ``exact_calls`` (weights as stored, and the cuts that make
     such weights' numbers independent of how ids are cut into calls; without them the prefix cache and
     speculative decoding would not be exact)."""
-    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace")
+    return "AMX_INT8 = 1" in system_info(llama_cpp)
 
 
 AMX_ADVICE = ("this llama.cpp build has AMX kernels, which crash when two members decode at once: its "
