@@ -10,7 +10,7 @@ import time
 from tokenfuse.config import config_from_source
 from tokenfuse.eval import answers
 from tokenfuse.eval.methods import MethodSpec
-from tokenfuse.eval.runner import build_variant
+from tokenfuse.eval.batches import build_variant
 from tokenfuse.load import load_ensemble
 from tokenfuse.tasks import load_task
 

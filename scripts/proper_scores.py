@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tokenfuse.eval.proper import proper_scores
 from tokenfuse.eval.records import item_file, read_records
-from tokenfuse.eval.report import write_json
+from tokenfuse.eval.summary import write_json
 
 
 def records_of(results: dict, records: Path) -> dict[str, dict[str, list[dict]]]:

@@ -11,7 +11,8 @@ import yaml
 from tokenfuse.engine import Likelihood
 from tokenfuse.config import config_from_models, parse_config
 from tokenfuse.eval.methods import MethodSpec, answer_key, majority_vote, mbr_select, parse_methods, plan_methods
-from tokenfuse.eval.report import markdown_table, summarise
+from tokenfuse.eval.report import markdown_table
+from tokenfuse.eval.summary import summarise
 from tokenfuse.eval.runner import EvalSettings, run_eval
 from tokenfuse.eval.stats import bootstrap_ci, paired_bootstrap, paired_bootstrap_mean
 from tokenfuse.errors import TokenfuseError
@@ -402,17 +403,17 @@ def test_run_eval_writes_outputs_and_resumes(tiny_pair, data_dir, tmp_path, monk
 def test_generate_form_runs_the_rows_batch_by_batch(tiny_pair, data_dir, tmp_path, monkeypatch):
     """Each batch of items goes through every row before the next batch starts, so the members'
     pooled contexts still hold the batch's prompts when the next row feeds them."""
-    from tokenfuse.eval import runner
+    from tokenfuse.eval import batches
 
     members, union = tiny_pair
     calls = []
-    generate = runner.generate_records
+    generate = batches.generate_records
 
     def spy(ens, task, items, **kw):
         calls.append([it["id"] for it in items])
         return generate(ens, task, items, **kw)
 
-    monkeypatch.setattr(runner, "generate_records", spy)
+    monkeypatch.setattr(batches, "generate_records", spy)
     settings = EvalSettings(tasks=["triviaqa"], methods=["single", "gac"], limit=3, data=str(data_dir),
                             out=str(tmp_path / "out"), batch_size=2, num_fewshot=0,
                             max_new_tokens={"triviaqa": 3}, progress=False)
@@ -526,7 +527,7 @@ def test_dev_records_are_reused_across_runs(tiny_pair, tmp_path, monkeypatch, ca
     """A run with another ``--out`` takes the dev records an earlier run computed from the dev
     cache (the same records, so the same primary) and computes only the dev items it lacks; the
     test items run again. Off with ``dev_cache=False``; keyed by the members as loaded."""
-    from tokenfuse.eval import devcache, runner
+    from tokenfuse.eval import batches, devcache
     from tokenfuse.eval.records import item_file, read_records
 
     members, union = tiny_pair
@@ -539,13 +540,13 @@ def test_dev_records_are_reused_across_runs(tiny_pair, tmp_path, monkeypatch, ca
     monkeypatch.setattr(devcache, "member_identity", lambda m: {"tiny": m.name, "version": version[m.name]})
     monkeypatch.setenv("TOKENFUSE_CACHE", str(tmp_path / "cache"))
     computed: list[tuple[str, str]] = []
-    score = runner.likelihood_records
+    score = batches.likelihood_records
 
     def spy(ens, task, items, **kw):
         computed.extend((ens.members[0].name if len(ens.members) == 1 else "ens", str(it["id"])) for it in items)
         return score(ens, task, items, **kw)
 
-    monkeypatch.setattr(runner, "likelihood_records", spy)
+    monkeypatch.setattr(batches, "likelihood_records", spy)
     _fixed_clock(monkeypatch)
 
     def run(out, limit, **kw):

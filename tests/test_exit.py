@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import httpx
@@ -29,22 +28,11 @@ def _script_env() -> dict[str, str]:
 
 
 def run_script(code: str) -> subprocess.CompletedProcess:
-    """``code`` run as a script from the repo root.
-
-    Known and not yet explained: inside the whole test suite (never alone: 0 of about 18 standalone runs,
-    also with both cores busy), the README's script was killed by SIGABRT with nothing on stdout
-    or stderr, before its members had loaded (2 of 4 full runs). Such a death — a signal, no output,
-    no traceback — is reported as a warning with what it printed and the script is run once more;
-    the second run must pass every check. Anything else fails at once.
-    """
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_script_env(), capture_output=True, text=True,
-                         timeout=600)
-    if run.returncode < 0 and not run.stdout and "Traceback" not in run.stderr:
-        warnings.warn(f"script killed by signal {-run.returncode} before any output; stderr: {run.stderr!r}; "
-                      "running it once more", stacklevel=2)
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_script_env(), capture_output=True,
-                             text=True, timeout=600)
-    return run
+    """``code`` run as a script from the repo root, once. (Scripts were once killed by SIGABRT before
+    their members loaded, 2 of 4 full suites: the loader threads' concurrent llama.cpp build check,
+    ``llamacpp_lib.system_info``. Nothing reruns a script now: such a death fails the test.)"""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_script_env(), capture_output=True, text=True,
+                          timeout=600)
 
 
 def readme_python_example() -> str:

@@ -1,5 +1,6 @@
-"""The package's shape: the layers contract in pyproject.toml holds, and no module imports itself
-back through others (a module-level import graph without cycles)."""
+"""The package's shape: the layers contract in pyproject.toml holds, no module imports itself back
+through others (a module-level import graph without cycles), and no file or function grows past
+the sizes the project keeps to."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+import tokenfuse
+
 grimp = pytest.importorskip("grimp")
 pytest.importorskip("importlinter.cli")
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
 
 
 def test_layers_contract_holds():
@@ -68,3 +72,23 @@ def _cycles(graph) -> list[list[str]]:
 def test_no_import_cycles():
     graph = grimp.build_graph("tokenfuse", cache_dir=None)
     assert _cycles(graph) == []
+
+
+def test_files_and_functions_stay_short():
+    """A file of the package holds at most MAX_FILE_LINES lines and a function at most
+    MAX_FUNCTION_LINES (docstring included): past that, split it by what each part owns."""
+    import ast
+
+    root = Path(tokenfuse.__file__).parent
+    long_files, long_functions = [], []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(root).as_posix()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append((name, len(text.splitlines())))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1
+                if size > MAX_FUNCTION_LINES:
+                    long_functions.append((f"{name}:{node.name}", size))
+    assert long_files == [] and long_functions == []

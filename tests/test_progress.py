@@ -202,16 +202,16 @@ def test_eval_off_a_terminal_writes_a_line_a_minute_while_a_task_runs(make_tiny,
     last line, one line says how far it is (the progress display's own line still ends it)."""
     from tokenfuse.config import config_from_models
     from tokenfuse.engine import Ensemble
-    from tokenfuse.eval import runner
+    from tokenfuse.eval import batches, runner
 
     arc_data(tmp_path)
-    score = runner.likelihood_records
+    score = batches.likelihood_records
 
     def slow(*a, **k):  # each row's batch takes 40 s: a batch of the 3 rows 120 s
         clock.now += 40.0
         return score(*a, **k)
 
-    monkeypatch.setattr(runner, "likelihood_records", slow)
+    monkeypatch.setattr(batches, "likelihood_records", slow)
     members = [make_tiny("smollm2", seed=1, name="s"), make_tiny("qwen", seed=2, name="q")]
     settings = runner.EvalSettings(tasks=["arc_easy"], methods=["single", "gac"], limit=2, data=str(tmp_path / "data"),
                                    out=str(tmp_path / "out"), batch_size=2, num_fewshot=0)

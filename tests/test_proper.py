@@ -14,7 +14,8 @@ from tokenfuse.config import config_from_models
 from tokenfuse.eval import pages
 from tokenfuse.eval.proper import item_scores, option_distribution, proper_scores
 from tokenfuse.eval.records import append_records, item_file
-from tokenfuse.eval.report import markdown_table, summarise
+from tokenfuse.eval.report import markdown_table
+from tokenfuse.eval.summary import summarise
 from tokenfuse.eval.runner import EvalSettings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -94,7 +94,7 @@ def _records_from_eval(eval_out: Path, task: str, methods: Sequence[str]) -> dic
                 out[name] = recs
     # Only the items every method finished (a folder can hold more items of an earlier, larger --limit).
     common = set.intersection(*(set(str(r["id"]) for r in recs) for recs in out.values())) if out else set()
-    from tokenfuse.eval.report import row_order
+    from tokenfuse.eval.summary import row_order
 
     return {name: sorted((r for r in out[name] if str(r["id"]) in common), key=lambda r: str(r["id"]))
             for name in sorted(out, key=row_order)}

@@ -173,10 +173,7 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     """The bench (the module's docstring says what it measures); ``streams``: the stream counts of
     the streams section (``measure_streams``, on each backend's ensemble as configured; with
     ``quick``, the first backend's only), none by default."""
-    from tokenfuse.bundled import BUNDLED, MARK_MODEL
-    from tokenfuse.load import ensemble_from_members
     from tokenfuse.paths import cache_dir
-    from tokenfuse.placement.local import load_member, share_member, shared_with
 
     root = cache_dir(cfg.cache_dir)
     align = root / "alignment"
@@ -190,68 +187,21 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
                                  compare_transformers=compare_transformers)
     for backend in backends:
         bcfg = _with_backend(cfg, backend)
-        members = []
-        firsts = shared_with(bcfg.members)
-        for i, mc in enumerate(bcfg.members):
-            t0, cuda_before = time.perf_counter(), cuda_allocated_bytes()
-            if firsts[i] == i:
-                m = load_member(mc, root=root, index=i)
-            else:  # a self-ensemble's copy, on the model loaded for the first
-                m = share_member(members[firsts[i]], mc, root=root, index=i)
-            entry = {"warm_load_s": round(time.perf_counter() - t0, 3), **member_memory(m, cuda_before)}
-            if firsts[i] != i:
-                entry["shares_weights_of"] = members[firsts[i]].name
-            src = mc.resolved_source
-            if backend == "transformers" and src in BUNDLED:
-                mark = BUNDLED[src].model_dir(root) / MARK_MODEL
-                if mark.exists():  # recorded when the GGUF was first converted
-                    entry["cold_convert_s"] = json.loads(mark.read_text())["seconds"]
-            loads[f"{backend}:{mc.name}"] = entry
-            members.append(m)
+        members = _load_members(bcfg, backend, root, loads)
         union_times[backend] = _union_times(members, align)
         for m in members:
             rows.append({"name": f"{backend}:{m.name}", "backend": backend,
                          "ens": Ensemble.single(m, align_cache=align)})
-        if len(members) > 1 and not (quick and backend != backends[0]):
-            every_step = bcfg.with_overrides(gate=None, threshold=None, agreement_skip=None, origin="bench")
-            base = ensemble_from_members(every_step, members)  # every row is a variant of it (one union)
-
-            def add(name: str, *, parallel: bool = True, trace: bool = False, **options) -> None:
-                """A row: the config with ``options`` (``EnsembleConfig.with_overrides``) on the loaded
-                members (``Ensemble.variant``); ``trace``: its generations record the step trace (what
-                it costs when on)."""
-                variant = every_step.with_overrides(**options, origin=f"bench row {name}")
-                ens = base.variant(variant.options.replace(parallel=parallel))  # gac-sequential: one after another
-                rows.append({"name": f"{backend}:{name}", "backend": backend, "ens": ens,
-                             "trace": TraceOptions() if trace else None})
-
-            for method in methods:
-                add(method, method=method)
-                if rows[-1]["ens"].combiner.exact_agreement:  # else skip is off by default: the same row again
-                    add(f"{method}-noskip", method=method, agreement_skip=False)
-            add("gac-sequential", method="gac", parallel=False)
-            add("gac-trace", method="gac", trace=True)
-            for k in speculative:
-                add(f"gac-speculative-k{k}", method="gac", speculative={"k": k})
-            for t in thresholds:
-                add(f"gac-t{t}", method="gac", gate=members[0].name, threshold=t)
+        this_one = not (quick and backend != backends[0])
+        if len(members) > 1 and this_one:
+            base = _ensemble_rows(bcfg, backend, members, rows, methods=methods, speculative=speculative,
+                                  thresholds=thresholds)
             if streams:  # the ensemble as configured (--method, --gate ...)
                 stream_targets.append((f"{backend}:{_label(bcfg)}", base.variant(bcfg.options)))
-        elif streams and len(members) == 1 and not (quick and backend != backends[0]):
+        elif streams and len(members) == 1 and this_one:
             stream_targets.append((rows[-1]["name"], rows[-1]["ens"]))
 
-    for r in rows:  # warm-up
-        r["ens"].generate(prompts[0], max_new_tokens=4)
-        r["samples"] = []
-    with progress_bar(total=repeats * len(prompts) * len(rows), desc="bench", unit="generation") as bar:
-        for _ in range(repeats):
-            for p in prompts:
-                for r in rows:
-                    if (sample := _decode_sample(r["ens"], p, max_new_tokens, r.get("trace"))) is not None:
-                        r["samples"].append(sample)
-                    r["rss"] = _rss_mb()
-                    bar.update(1)
-
+    _decode_rows(rows, prompts, repeats=repeats, max_new_tokens=max_new_tokens)
     sections = [{"config": name, **measure_streams(ens, prompts, streams, max_new_tokens=max_new_tokens,
                                                    rounds=repeats)} for name, ens in stream_targets]
 
@@ -273,6 +223,80 @@ def run_bench(cfg: EnsembleConfig, *, backends=("llamacpp", "transformers"), max
     if plot_path:
         plot(result, plot_path)
     return result
+
+
+def _load_members(bcfg: EnsembleConfig, backend: str, root: Path, loads: dict[str, dict]) -> list:
+    """The config's members on ``backend``, one after another, each load's time and memory in
+    ``loads`` (a self-ensemble's copy on the model loaded for the first)."""
+    from tokenfuse.bundled import BUNDLED, MARK_MODEL
+    from tokenfuse.placement.local import load_member, share_member, shared_with
+
+    members = []
+    firsts = shared_with(bcfg.members)
+    for i, mc in enumerate(bcfg.members):
+        t0, cuda_before = time.perf_counter(), cuda_allocated_bytes()
+        if firsts[i] == i:
+            m = load_member(mc, root=root, index=i)
+        else:
+            m = share_member(members[firsts[i]], mc, root=root, index=i)
+        entry = {"warm_load_s": round(time.perf_counter() - t0, 3), **member_memory(m, cuda_before)}
+        if firsts[i] != i:
+            entry["shares_weights_of"] = members[firsts[i]].name
+        src = mc.resolved_source
+        if backend == "transformers" and src in BUNDLED:
+            mark = BUNDLED[src].model_dir(root) / MARK_MODEL
+            if mark.exists():  # recorded when the GGUF was first converted
+                entry["cold_convert_s"] = json.loads(mark.read_text())["seconds"]
+        loads[f"{backend}:{mc.name}"] = entry
+        members.append(m)
+    return members
+
+
+def _ensemble_rows(bcfg: EnsembleConfig, backend: str, members: list, rows: list[dict], *, methods, speculative,
+                   thresholds) -> Ensemble:
+    """Append the ensemble rows of one backend to ``rows``; returns the ensemble they are variants of
+    (every step ensembled, one union)."""
+    from tokenfuse.load import ensemble_from_members
+
+    every_step = bcfg.with_overrides(gate=None, threshold=None, agreement_skip=None, origin="bench")
+    base = ensemble_from_members(every_step, members)
+
+    def add(name: str, *, parallel: bool = True, trace: bool = False, **options) -> None:
+        """A row: the config with ``options`` (``EnsembleConfig.with_overrides``) on the loaded
+        members (``Ensemble.variant``); ``trace``: its generations record the step trace (what
+        it costs when on)."""
+        variant = every_step.with_overrides(**options, origin=f"bench row {name}")
+        ens = base.variant(variant.options.replace(parallel=parallel))  # gac-sequential: one after another
+        rows.append({"name": f"{backend}:{name}", "backend": backend, "ens": ens,
+                     "trace": TraceOptions() if trace else None})
+
+    for method in methods:
+        add(method, method=method)
+        if rows[-1]["ens"].combiner.exact_agreement:  # else skip is off by default: the same row again
+            add(f"{method}-noskip", method=method, agreement_skip=False)
+    add("gac-sequential", method="gac", parallel=False)
+    add("gac-trace", method="gac", trace=True)
+    for k in speculative:
+        add(f"gac-speculative-k{k}", method="gac", speculative={"k": k})
+    for t in thresholds:
+        add(f"gac-t{t}", method="gac", gate=members[0].name, threshold=t)
+    return base
+
+
+def _decode_rows(rows: list[dict], prompts, *, repeats: int, max_new_tokens: int) -> None:
+    """Every row on every prompt, ``repeats`` rounds after a warm-up; each row's decode samples in
+    ``row["samples"]`` and the process's memory after its last one in ``row["rss"]``."""
+    for r in rows:  # warm-up
+        r["ens"].generate(prompts[0], max_new_tokens=4)
+        r["samples"] = []
+    with progress_bar(total=repeats * len(prompts) * len(rows), desc="bench", unit="generation") as bar:
+        for _ in range(repeats):
+            for p in prompts:
+                for r in rows:
+                    if (sample := _decode_sample(r["ens"], p, max_new_tokens, r.get("trace"))) is not None:
+                        r["samples"].append(sample)
+                    r["rss"] = _rss_mb()
+                    bar.update(1)
 
 
 def _label(cfg: EnsembleConfig) -> str:

@@ -40,7 +40,7 @@ Rules (answers compared by ``methods.answer_key``; a sample without an extracted
 Cost: a row's ``seconds`` are the time of the samples it uses (a member's sampling time per item
 prorated over its samples), so its ``items/min`` is what the row alone costs; ``sampling_seconds``
 is the time of every member's samples of the item, what the task's wall time counts once
-(``report.task_wall``).
+(``summary.task_wall``).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def candidates(cfg, dev: dict[str, Sequence[dict]]) -> list[MethodSpec]:
 def choose(dev: dict[str, Sequence[dict]], ranked: dict[str, Sequence[dict]] | None = None) -> Choice:
     """The choice rule (module docstring) over every candidate's dev records ``dev`` (paired by
     item), the members ranked on their records ``ranked`` (default: theirs in ``dev``)."""
-    from tokenfuse.eval.report import paired_correct
+    from tokenfuse.eval.summary import paired_correct
 
     ranked = ranked or {m: r for m, r in dev.items() if m.startswith("single:")}
     single = best_single(ranked)

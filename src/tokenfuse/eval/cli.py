@@ -11,7 +11,8 @@ from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.answers import DEFAULT_SAMPLES, DEFAULT_TEMPERATURE
 from tokenfuse.eval.methods import ALL_METHODS, DEFAULT_THRESHOLD
 from tokenfuse.eval.report import markdown_table
-from tokenfuse.eval.runner import DEFAULT_TASKS, FORMS, EvalSettings, run_eval
+from tokenfuse.eval.batches import FORMS
+from tokenfuse.eval.runner import DEFAULT_TASKS, EvalSettings, run_eval
 
 
 def _int_map(text: str | None, flag: str) -> dict[str, int]:
