@@ -355,3 +355,12 @@ def test_a_shared_prompt_past_the_sliding_window_is_copied_exactly(exact_members
     assert m.prefix_stats["copied"] - before["copied"] == 2 and m.prefix_stats["reused"] - before["reused"] == 3
     assert m.prefix_stats["fed"] - before["fed"] == len(prompt) + 2 * (len(prompt) % LARGE) + 1  # blocks fed once
     assert all(_same(g, ref) for g in got)
+
+
+def test_scoring_takes_the_picked_entries_bit_for_bit_in_the_shared_context(exact_members):
+    """``Rows.logprobs_of`` on the shared context's streams (``exact_calls``): the whole rows' entries."""
+    from test_text_score import picked_equals_whole_rows
+
+    text = "The quick brown fox jumps over the lazy dog; 안녕하세요, ünïcode.\n" * 8
+    for m in exact_members.values():
+        assert picked_equals_whole_rows(m, text) > 64

@@ -126,7 +126,7 @@ def test_one_forward_scoring_feeds_each_member_in_few_forwards(make_tiny, one_th
     calls = {m.name: 0 for m in ms}
     for m in ms:
         original = m._forward_at_many
-        monkeypatch.setattr(m, "_forward_at_many", lambda sts, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(sts, ends))
+        monkeypatch.setattr(m, "_forward_at_many", lambda sts, ends, m=m, f=original, **kw: calls.__setitem__(m.name, calls[m.name] + 1) or f(sts, ends, **kw))
     text = " the cat sat on the mat and looked at the dog"
     (got,) = ens.loglikelihood([(CONTEXT, text)])
     assert got.pieces == len(ms[1].codec.encode_text(text)) > 8
@@ -161,7 +161,7 @@ def test_row_memo_shares_the_members_forwards_and_changes_no_number(make_tiny, o
     calls = {m.name: 0 for m in ms}
     for m in ms:
         original = m._forward_at_many
-        monkeypatch.setattr(m, "_forward_at_many", lambda sts, ends, m=m, f=original: calls.__setitem__(m.name, calls[m.name] + 1) or f(sts, ends))
+        monkeypatch.setattr(m, "_forward_at_many", lambda sts, ends, m=m, f=original, **kw: calls.__setitem__(m.name, calls[m.name] + 1) or f(sts, ends, **kw))
     alone, each = [], []
     for ens in rows:
         before = dict(calls)
@@ -189,8 +189,8 @@ def test_batched_members_score_the_requests_together(make_tiny, one_thread, monk
     sizes = {m.name: [] for m in ms}
     for m in ms:
         real = m.logprobs_at_many
-        monkeypatch.setattr(m, "logprobs_at_many", lambda sts, ends, _m=m, _real=real:
-                            sizes[_m.name].append(len(sts)) or _real(sts, ends))
+        monkeypatch.setattr(m, "logprobs_at_many", lambda sts, ends, _m=m, _real=real, **kw:
+                            sizes[_m.name].append(len(sts)) or _real(sts, ends, **kw))
     together = ens.loglikelihood(requests)
     assert all(m.scores_together and sizes[m.name][0] == len(requests) for m in ms)
     for request, got in zip(requests, together):

@@ -632,3 +632,15 @@ def test_a_batch_side_by_side_gives_the_numbers_one_after_another_gives(llamacpp
         m.side_by_side = True
     assert all(bool((a == b).all()) for a, b in zip(rows[True], rows[False]))
     assert outs[True] == outs[False]
+
+
+def test_scoring_takes_the_picked_entries_bit_for_bit(llamacpp_members):
+    """Scoring a text by its own tokens (``Rows.logprobs_of``: each row's entry taken as llama.cpp's
+    row is computed, no whole 262k-entry rows kept) gives the whole rows' entries bit for bit, over
+    more than one decode call (n_batch 512)."""
+    from test_text_score import picked_equals_whole_rows
+
+    line = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    for m in llamacpp_members.values():
+        assert picked_equals_whole_rows(m, line * 4) > 64
+    assert picked_equals_whole_rows(llamacpp_members["smollm2"], line * 30) > 512  # two decode calls

@@ -207,3 +207,25 @@ def test_poe_with_a_zero_exponent_is_the_others_product(fake):
     got = text_rows.poe_logprobs(true, cand, f, np.array([1.0, 0.0, 0.0]))
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, np.log(f.p_true), rtol=1e-9)  # β on the primary alone: the primary
+
+
+def picked_equals_whole_rows(member, text: str) -> int:
+    """``Rows.logprobs_of`` (each row's one entry, taken where the backend computes the row) against
+    the same entries of the whole rows, bit for bit; returns how many positions were compared."""
+    rows = Rows.from_member(member)
+    own = primary_tokens(rows.codec, text)
+    lists = [rows.start + own[:j] for j in range(len(own))]
+    whole = np.array([float(r[t]) for r, t in zip(rows.fn(lists), own)], dtype=np.float64)
+    picked = rows.logprobs_of(lists, own)
+    assert picked.dtype == np.float64 and np.array_equal(picked, whole)
+    assert np.array_equal(single_logprobs(rows, text), whole)
+    return len(own)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_picked_entries_are_the_whole_rows_entries(make_tiny, batched):
+    text = "def f(x):\n    return x + 1  # 안녕 ünïcode\n" * 3
+    for i, fam in enumerate(("smollm2", "qwen", "gemma3")):
+        m = make_tiny(fam, seed=20 + i, name=f"{fam}-pick")
+        m.batched = batched
+        assert picked_equals_whole_rows(m, text) > 10

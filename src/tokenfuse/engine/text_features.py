@@ -50,26 +50,38 @@ DEFAULT_CANDIDATES = 16
 
 @dataclass
 class Rows:
-    """A member as the text scores see it: its codec, its start ids (BOS, else EOS) and ``fn``, its
-    next-token log-probabilities after each of a list of id lists (start ids included)."""
+    """A member as the text scores see it: its codec, its start ids (BOS, else EOS), ``fn``, its
+    next-token log-probabilities after each of a list of id lists (start ids included), and
+    ``pick``, the log-probability of one id after each list (``None``: taken from ``fn``'s rows).
+    ``pick`` gives ``fn``'s entries bit for bit without keeping whole rows (``Member.logprobs_at``)."""
 
     name: str
     codec: ByteCodec
     start: list[int]
     fn: Callable[[list[list[int]]], list[torch.Tensor]]
+    pick: Callable[[list[list[int]], list[int]], np.ndarray] | None = None
 
     @classmethod
     def from_member(cls, member: Member) -> Rows:
         start = member.encode_prompt("")
 
-        def fn(lists: list[list[int]]) -> list[torch.Tensor]:
+        def fn(lists: list[list[int]], ids: list[int] | None = None) -> list[torch.Tensor]:
             st = member.new_state(start)
             try:
-                return positions(member, st, lists)
+                return positions(member, st, lists, pick=None if ids is None else [[t] for t in ids])
             finally:
                 member.release(st)
 
-        return cls(member.name, member.codec, start, fn)
+        def pick(lists: list[list[int]], ids: list[int]) -> np.ndarray:
+            return np.array([float(r[0]) for r in fn(lists, ids)], dtype=np.float64)
+
+        return cls(member.name, member.codec, start, fn, pick)
+
+    def logprobs_of(self, lists: list[list[int]], ids: list[int]) -> np.ndarray:
+        """The natural-log probability of ``ids[j]`` after ``lists[j]``, for each ``j``."""
+        if self.pick is not None:
+            return self.pick(lists, ids)
+        return np.array([float(r[t]) for r, t in zip(self.fn(lists), ids)], dtype=np.float64)
 
 
 @dataclass

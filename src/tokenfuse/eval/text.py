@@ -31,7 +31,7 @@ import numpy as np
 from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import DocFeatures, Rows, doc_features, primary_tokens
 from tokenfuse.errors import TokenfuseError
-from tokenfuse.eval.runner import stderr_log
+from tokenfuse.eval.batches import stderr_log
 from tokenfuse.eval.stats import holm
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
@@ -75,8 +75,7 @@ def single_logprobs(member: Rows, text: str) -> np.ndarray:
     own = primary_tokens(member.codec, text)
     if not own:
         return np.zeros(0)
-    rows = member.fn([member.start + own[:j] for j in range(len(own))])
-    return np.array([float(r[t]) for r, t in zip(rows, own)], dtype=np.float64)
+    return member.logprobs_of([member.start + own[:j] for j in range(len(own))], own)
 
 
 def _bits(logprob: float) -> float:

@@ -302,7 +302,8 @@ class LocalMember(Member):
     def token_logprobs(self, states: Sequence[SeqState], ids: torch.Tensor) -> torch.Tensor:
         return kept_logprobs(states, ids)
 
-    def logprobs_at(self, st: SeqState, ends: Sequence[int]) -> torch.Tensor:
+    def logprobs_at(self, st: SeqState, ends: Sequence[int], *, pick: Sequence[Sequence[int]] | None = None
+                    ) -> torch.Tensor:
         """Next-token log-probabilities after the first ``L`` ids of ``st.all_ids()`` for each ``L`` in
         ``ends`` (increasing, each ``> st.n_valid`` and ``<= st.length``): ``float32[len(ends), V]``.
 
@@ -310,29 +311,42 @@ class LocalMember(Member):
         positions (``_forward_at``); the cache then holds the whole sequence. The numbers are those
         of feeding the ids piece by piece wherever the backend's kernels do not depend on how a
         sequence is split into calls (see docs/evaluation.md, "One-forward scoring").
-        """
-        return self.logprobs_at_many([st], [ends])[0]
 
-    def logprobs_at_many(self, states: Sequence[SeqState], ends: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        ``pick`` (one list of ``k`` ids per end; ``ends`` strictly increasing): only those entries of
+        each row, ``float32[len(ends), k]``, taken from each row where the backend computes it (no
+        whole row is kept or stacked: a 262k-entry vocabulary makes that the cost of scoring); the
+        same numbers as the whole rows' entries, bit for bit.
+        """
+        return self.logprobs_at_many([st], [ends], picks=None if pick is None else [pick])[0]
+
+    def logprobs_at_many(self, states: Sequence[SeqState], ends: Sequence[Sequence[int]], *,
+                         picks: Sequence[Sequence[Sequence[int]]] | None = None) -> list[torch.Tensor]:
         """``logprobs_at`` for several sequences at once (``ends[r]`` for ``states[r]``, distinct
-        states): a backend that batches forwards them together (``_forward_at_many``), as a step
-        batches ``next_logprobs`` — speculative verification of many sequences."""
+        states; ``picks[r]`` its ``pick``): a backend that batches forwards them together
+        (``_forward_at_many``), as a step batches ``next_logprobs`` — speculative verification of
+        many sequences."""
         self.check_loaded()
         ends = [list(e) for e in ends]
-        for st, e in zip(states, ends):
+        for r, (st, e) in enumerate(zip(states, ends)):
             if not e or e != sorted(e) or e[0] <= st.n_valid or e[-1] > st.length:
                 raise ValueError(f"logprobs_at: ends {e} must increase within ({st.n_valid}, {st.length}]")
+            if picks is not None and (len(set(e)) < len(e) or len(picks[r]) != len(e)):
+                raise ValueError("logprobs_at: with pick, ends must strictly increase and each have its ids")
+        picks = None if picks is None else [[torch.as_tensor(ids, dtype=torch.long) for ids in p] for p in picks]
         out = []
-        for st, e, rows in zip(states, ends, self._forward_at_many(list(states), ends)):
+        for st, e, rows in zip(states, ends, self._forward_at_many(list(states), ends, picks=picks)):
             st.mark_cached()
-            if e[-1] == st.length:
+            if picks is None and e[-1] == st.length:
                 st.logprobs, st.logprobs_len = rows[-1], st.length
             out.append(torch.stack(rows))
         return out
 
-    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
-        """``logprobs_at_many``'s rows; by default ``_forward_at`` for one state after another."""
-        return [self._forward_at(st, e) for st, e in zip(states, ends)]
+    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]], *,
+                         picks: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
+        """``logprobs_at_many``'s rows (each gathered by its ``picks`` entry when given); by default
+        ``_forward_at`` for one state after another."""
+        return [self._forward_at(st, e, pick=None if picks is None else picks[r])
+                for r, (st, e) in enumerate(zip(states, ends))]
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Forward the states that need it; by default one chunked forward each."""
@@ -342,21 +356,27 @@ class LocalMember(Member):
     def _forward(self, state: SeqState) -> torch.Tensor:
         """Crop the cache to ``state.n_valid``, feed the rest, return ``float32[V]`` log-probs."""
 
-    def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
-        """``logprobs_at``'s rows. By default one ``_forward`` per position (a backend that can keep
-        several positions' logits in one forward overrides this)."""
+    def _forward_at(self, st: SeqState, ends: list[int], *, pick: list[torch.Tensor] | None = None
+                    ) -> list[torch.Tensor]:
+        """``logprobs_at``'s rows (``pick``: each gathered). By default one ``_forward`` per position
+        (a backend that can keep several positions' logits in one forward overrides this)."""
         prompt, ids, full = st.prompt_ids, st.ids, st.all_ids()
         rows = []
         try:
-            for n in ends:
+            for k, n in enumerate(ends):
                 st.prompt_ids, st.ids = full[:n], []
-                rows.append(self._forward_batch([st])[0])
+                rows.append(picked(self._forward_batch([st])[0], pick, k))
                 st.mark_cached()  # its ids are ``full[:n]`` now
         finally:
             st.prompt_ids, st.ids = prompt, ids
         if ends[-1] < len(full):  # feed the rest too: the cache holds the whole sequence afterwards
             self._forward_batch([st])
         return rows
+
+
+def picked(row: torch.Tensor, pick: list[torch.Tensor] | None, k: int) -> torch.Tensor:
+    """The ``k``-th row of a ``logprobs_at`` call as it is returned: whole, or its ``pick[k]`` entries."""
+    return row if pick is None else row[pick[k]]
 
 
 def cpu_cores() -> int:

@@ -90,7 +90,7 @@ import numpy as np
 import torch
 
 from tokenfuse.errors import ModelLoadError
-from tokenfuse.members.base import LocalMember, SeqState, Shared, common_prefix, cpu_cores
+from tokenfuse.members.base import LocalMember, SeqState, Shared, common_prefix, cpu_cores, picked
 from tokenfuse.members.codec import load_or_build_codec
 from tokenfuse.members.embeddings import EmbeddingRows
 from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slot, Stream, prompt_head,
@@ -288,28 +288,32 @@ class LlamaCppMember(SharedContext, LocalMember):
     def _forward(self, st: SeqState, *, threads: int | None = None) -> torch.Tensor:
         return self._feed(st, [st.length], threads=threads)[0]
 
-    def _forward_at(self, st: SeqState, ends: list[int]) -> list[torch.Tensor]:
+    def _forward_at(self, st: SeqState, ends: list[int], *, pick: list[torch.Tensor] | None = None
+                    ) -> list[torch.Tensor]:
         """One state's rows where ``_forward_at_many`` does not batch them: in a context of its own
         (``_feed``), or in the shared context without ``exact_calls``."""
         if not self._in_shared([st])[0]:
-            return self._feed(st, ends)  # a context of its own (no multi_seq, or all its sequence ids live)
-        return super()._forward_at(st, ends)
+            return self._feed(st, ends, pick=pick)  # a context of its own (no multi_seq, or all its sequence ids live)
+        return super()._forward_at(st, ends, pick=pick)
 
-    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
+    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]], *,
+                         picks: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
         """With ``exact_calls`` the sequences of the shared context go in its shared calls together
         (``_forward_streams``: each row its one-by-one numbers; the real prompt stays the prompt, so
         the cut rules hold), the others one after another."""
         if not (self.multi_seq and self.exact_calls):
-            return super()._forward_at_many(states, ends)
+            return super()._forward_at_many(states, ends, picks=picks)
         want = {id(st): {n - 1 for n in e} for st, e, shared in zip(states, ends, self._in_shared(states)) if shared}
         rows = self._forward_streams([st for st in states if id(st) in want], want) if want else {}
-        return [[rows[id(st), n - 1] for n in e] if id(st) in want else self._feed(st, e)
-                for st, e in zip(states, ends)]
+        mine = [None if picks is None else picks[r] for r in range(len(states))]
+        return [[picked(rows[id(st), n - 1], pick, k) for k, n in enumerate(e)] if id(st) in want
+                else self._feed(st, e, pick=pick) for st, e, pick in zip(states, ends, mine)]
 
-    def _feed(self, st: SeqState, ends: list[int], *, threads: int | None = None) -> list[torch.Tensor]:
+    def _feed(self, st: SeqState, ends: list[int], *, threads: int | None = None,
+              pick: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Crop the cache to ``n_valid`` and feed the rest in batches of ``n_batch`` ids (with
         ``threads``, default the member's), asking llama.cpp for the logits of the positions in
-        ``ends`` only."""
+        ``ends`` only (with ``pick``, each row's entries taken as soon as it is computed)."""
         slot: Slot = st.cache
         if slot is None:
             slot = st.cache = self._acquire(st, ends[0] - 1)
@@ -323,7 +327,8 @@ class LlamaCppMember(SharedContext, LocalMember):
         ids = st.all_ids()
         with self._stats_lock:  # sequences may be fed side by side
             self.prefix_stats["fed"] += len(ids) - slot.n
-        want = {n - 1 for n in ends}  # positions whose next-token logits are asked for
+        # positions whose next-token logits are asked for -> the entries kept of each (None: all)
+        want = {n - 1: None if pick is None else pick[k] for k, n in enumerate(ends)}
         rows: dict[int, torch.Tensor] = {}
         while slot.n < len(ids):
             start = slot.n
@@ -334,7 +339,7 @@ class LlamaCppMember(SharedContext, LocalMember):
                 b.logits[j] = start + j in want
             b.n_tokens = stop - start
             slot.ctx.decode(slot.batch)
-            rows.update((p, self._logprobs(slot.ctx, p - start)) for p in range(start, stop) if p in want)
+            rows.update((p, self._logprobs(slot.ctx, p - start, want[p])) for p in range(start, stop) if p in want)
             if long and start == slot.exact:
                 slot.exact = stop
             slot.n = stop
@@ -353,10 +358,11 @@ class LlamaCppMember(SharedContext, LocalMember):
             return min(head, start + self.n_batch - self.n_batch % LARGE), True
         return min(total, start + SMALL), False
 
-    def _logprobs(self, ctx: Any, i: int) -> torch.Tensor:
-        """Log-softmax of the logits llama.cpp kept for batch position ``i``."""
+    def _logprobs(self, ctx: Any, i: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-softmax of the logits llama.cpp kept for batch position ``i`` (``ids``: only those entries)."""
         logits = np.ctypeslib.as_array(ctx.get_logits_ith(i), shape=(self.n_vocab,))
-        return torch.log_softmax(torch.from_numpy(logits), dim=-1)  # a new tensor: llama.cpp's buffer is only read
+        row = torch.log_softmax(torch.from_numpy(logits), dim=-1)  # a new tensor: llama.cpp's buffer is only read
+        return row if ids is None else row[ids]
 
     def release(self, state: SeqState) -> None:
         if self.unloaded:  # its contexts are freed already

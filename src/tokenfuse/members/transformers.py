@@ -12,7 +12,7 @@ import torch
 
 from tokenfuse.bundled import transformers_build
 from tokenfuse.errors import ModelLoadError
-from tokenfuse.members.base import LocalMember, SeqState
+from tokenfuse.members.base import LocalMember, SeqState, picked
 from tokenfuse.members.codec import load_or_build_codec
 from tokenfuse.members.embeddings import EmbeddingRows
 
@@ -94,18 +94,22 @@ class TransformersMember(LocalMember):
         for each group of longer ones (``row_cache.batches``); else one forward per state."""
         return [rows[0] for rows in self._forward_at_many(states, [[st.length] for st in states])]
 
-    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
+    def _forward_at_many(self, states: list[SeqState], ends: list[list[int]], *,
+                         picks: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
         """Batched: the states in as few forwards as ``row_cache.batches`` groups them; else one
-        forward per state (``_forward_one``)."""
+        forward per state (``_forward_one``). ``picks``: the rows' entries, taken on the host."""
         if not self.batched:
-            return [self._forward_one(st, e) for st, e in zip(states, ends)]
-        from tokenfuse.members.row_cache import batches
+            out = [self._forward_one(st, e) for st, e in zip(states, ends)]
+        else:
+            from tokenfuse.members.row_cache import batches
 
-        out: list[list[torch.Tensor] | None] = [None] * len(states)
-        for group in batches(states):
-            for r, got in zip(group, self._rows([states[r] for r in group], [ends[r] for r in group])):
-                out[r] = got
-        return out
+            out = [None] * len(states)
+            for group in batches(states):
+                for r, got in zip(group, self._rows([states[r] for r in group], [ends[r] for r in group])):
+                    out[r] = got
+        if picks is None:
+            return out
+        return [[picked(row, pick, k) for k, row in enumerate(rows)] for rows, pick in zip(out, picks)]
 
     @torch.inference_mode()
     def _rows(self, states: list[SeqState], ends: list[list[int]]) -> list[list[torch.Tensor]]:
