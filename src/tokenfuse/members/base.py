@@ -345,8 +345,7 @@ class LocalMember(Member):
                          picks: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
         """``logprobs_at_many``'s rows (each gathered by its ``picks`` entry when given); by default
         ``_forward_at`` for one state after another."""
-        return [self._forward_at(st, e, pick=None if picks is None else picks[r])
-                for r, (st, e) in enumerate(zip(states, ends))]
+        return [self._forward_at(st, e, pick=pick) for st, e, pick in zip(states, ends, picks or [None] * len(states))]
 
     def _forward_batch(self, states: list[SeqState]) -> list[torch.Tensor]:
         """Forward the states that need it; by default one chunked forward each."""

@@ -305,9 +305,8 @@ class LlamaCppMember(SharedContext, LocalMember):
             return super()._forward_at_many(states, ends, picks=picks)
         want = {id(st): {n - 1 for n in e} for st, e, shared in zip(states, ends, self._in_shared(states)) if shared}
         rows = self._forward_streams([st for st in states if id(st) in want], want) if want else {}
-        mine = [None if picks is None else picks[r] for r in range(len(states))]
         return [[picked(rows[id(st), n - 1], pick, k) for k, n in enumerate(e)] if id(st) in want
-                else self._feed(st, e, pick=pick) for st, e, pick in zip(states, ends, mine)]
+                else self._feed(st, e, pick=pick) for st, e, pick in zip(states, ends, picks or [None] * len(states))]
 
     def _feed(self, st: SeqState, ends: list[int], *, threads: int | None = None,
               pick: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
