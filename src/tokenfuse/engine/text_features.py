@@ -32,7 +32,6 @@ member's own tokens of the document).
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenfuse.alignment.byteview import TokenBytes
 from tokenfuse.engine.likelihood import positions
 from tokenfuse.engine.sync import incomplete_tail, resync
 from tokenfuse.members.base import Member, SeqState
@@ -52,36 +52,42 @@ DEFAULT_CANDIDATES = 16
 class Rows:
     """A member as the text scores see it: its codec, its start ids (BOS, else EOS), ``fn``, its
     next-token log-probabilities after each of a list of id lists (start ids included), and
-    ``pick``, the log-probability of one id after each list (``None``: taken from ``fn``'s rows).
-    ``pick`` gives ``fn``'s entries bit for bit without keeping whole rows (``Member.logprobs_at``)."""
+    ``take``, given entries of those rows (``None``: taken from ``fn``'s rows). ``take`` gives ``fn``'s
+    entries bit for bit without keeping whole rows (``Member.logprobs_at``'s ``pick``)."""
 
     name: str
     codec: ByteCodec
     start: list[int]
     fn: Callable[[list[list[int]]], list[torch.Tensor]]
-    pick: Callable[[list[list[int]], list[int]], np.ndarray] | None = None
+    take: Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]] | None = None
 
     @classmethod
     def from_member(cls, member: Member) -> Rows:
         start = member.encode_prompt("")
 
-        def fn(lists: list[list[int]], ids: list[int] | None = None) -> list[torch.Tensor]:
+        def fn(lists: list[list[int]], ids: list[Sequence[int]] | None = None) -> list[torch.Tensor]:
             st = member.new_state(start)
             try:
-                return positions(member, st, lists, pick=None if ids is None else [[t] for t in ids])
+                return positions(member, st, lists, pick=None if ids is None else list(ids))
             finally:
                 member.release(st)
 
-        def pick(lists: list[list[int]], ids: list[int]) -> np.ndarray:
-            return np.array([float(r[0]) for r in fn(lists, ids)], dtype=np.float64)
+        def take(lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
+            return [r.numpy().astype(np.float64) for r in fn(lists, ids)]
 
-        return cls(member.name, member.codec, start, fn, pick)
+        return cls(member.name, member.codec, start, fn, take)
+
+    def entries(self, lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
+        """The natural-log probabilities of ``ids[j]`` (several) after ``lists[j]``, for each ``j``."""
+        if self.take is not None:
+            return self.take(lists, ids)
+        return [r.numpy()[np.asarray(x, dtype=np.int64)].astype(np.float64) for r, x in zip(self.fn(lists), ids)]
 
     def logprobs_of(self, lists: list[list[int]], ids: list[int]) -> np.ndarray:
         """The natural-log probability of ``ids[j]`` after ``lists[j]``, for each ``j``."""
-        if self.pick is not None:
-            return self.pick(lists, ids)
-        return np.array([float(r[t]) for r, t in zip(self.fn(lists), ids)], dtype=np.float64)
+        if not lists:
+            return np.zeros(0)
+        return np.array([float(x[0]) for x in self.entries(lists, [[t] for t in ids])], dtype=np.float64)
 
 
 @dataclass
@@ -119,31 +125,14 @@ class DocFeatures:
         return f
 
 
-class _Vocab:
-    """A member's text tokens by their bytes: exact lookup and the range of tokens starting with a prefix."""
+class _Vocab(TokenBytes):
+    """``TokenBytes`` with a mask: 0 on text tokens, -inf elsewhere (the primary's candidates)."""
 
     def __init__(self, codec: ByteCodec) -> None:
-        text = [(b, i) for i, b in enumerate(codec.token_bytes) if b]
-        text.sort()
-        self.sorted = [b for b, _ in text]
-        self.order = np.array([i for _, i in text], dtype=np.int64)
-        self.exact: dict[bytes, list[int]] = {}
-        for b, i in text:
-            self.exact.setdefault(b, []).append(i)
+        super().__init__(codec.token_bytes)
         mask = torch.full((len(codec.token_bytes),), float("-inf"))
         mask[torch.from_numpy(self.order)] = 0.0
-        self.text_mask = mask  # 0 on text tokens, -inf elsewhere
-
-    def starting_with(self, r: bytes) -> np.ndarray:
-        lo = bisect.bisect_left(self.sorted, r)
-        hi = bisect.bisect_left(self.sorted, _after_prefix(r)) if r else len(self.sorted)
-        return self.order[lo:hi]
-
-
-def _after_prefix(r: bytes) -> bytes:
-    """The smallest byte string greater than every string that starts with ``r`` (``r`` non-empty)."""
-    s = r.rstrip(b"\xff")
-    return s[:-1] + bytes([s[-1] + 1]) if s else b"\xff" * (len(r) + 1)
+        self.text_mask = mask
 
 
 def _mass(lp: np.ndarray, ids: Sequence[int] | np.ndarray) -> float:

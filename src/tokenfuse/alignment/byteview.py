@@ -1,0 +1,207 @@
+"""A member as a byte-level language model: its probability of each next byte, summed over tokenizations.
+
+**The definition.** A member is a distribution over token sequences after its start ids. Its *text*
+tokens have bytes (``ByteCodec.token_bytes``); any other id (END, a special token) ends the text. The
+member's byte-level model is the distribution this induces on byte strings. The probability that the
+text starts with ``x`` is the mass of its *covers*: token sequences ``h + [v]`` where ``h`` spells a
+strict prefix ``x[:i]`` and ``v`` spells the rest of ``x`` or more:
+
+    P(x) = Σ_{i < |x|} Σ_{h spells x[:i]} P(h) · M_h(x[i:]),    M_h(r) = Σ_{text v starting with r} p(v | h).
+
+Then ``p(b | x) = P(xb) / P(x)`` for each byte ``b`` and ``p(end | x) = Σ_{h spells x} P(h) p(not text | h) / P(x)``:
+257 numbers that sum to 1. Every token sequence the vocabulary can spell counts (byte-fallback tokens,
+splits the tokenizer would not make): this is the member's own distribution over bytes, nothing
+conditioned away. (Phan et al. 2025, "Exact byte-level probabilities from tokenized language models",
+cover encodings; Hayase et al. 2025, ByteSampler, the tree of live tokenizations.)
+
+**The computation.** The histories spelling ``x[:i]`` are grown boundary by boundary along the bytes: a
+history at boundary ``i`` adds its covers to ``P(x[:i+d])`` for every ``d`` that some token starting with
+``x[i:i+d]`` reaches, and each token spelling exactly ``x[i:i+d]`` makes a history at ``i + d``. A history
+needs one row of the member (its next-token distribution), of which only the entries of the tokens
+starting with the byte ``x[i]`` are read (``take``: the backend gathers them where it computes the row).
+
+``keep = 0`` and ``width = None`` are exact (every history; exponential in the length, for tests and
+short strings). By default the tree is pruned at each boundary: a history is dropped when its
+probability is below ``keep`` times ``P(x[:i])`` or it is not among the ``width`` most probable there
+(the most probable is always kept). A
+pruned view stays a distribution: ``p(x[n] | x[:n]) = P̂(x[:n+1]) / (P̂(x[:n]) − D_n)``, with ``P̂`` the
+kept histories' covers and ``D_n`` the mass of the histories dropped at boundary ``n`` (exactly what the
+257 outcomes' sum lacks), and it depends only on the bytes before ``n`` (a proper predictor). For a
+trained member almost all the mass lies on its own tokenization, which the member's ``chain`` (its own
+tokens of the text, computed in one run) serves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+KEEP = 1e-3  # default: a history below this share of its boundary's prefix mass is dropped
+WIDTH = 2  # default: at most this many histories per boundary
+
+Take = Callable[[list[list[int]], list[np.ndarray]], list[np.ndarray]]
+"""``take(lists, ids)``: the member's next-token natural-log probabilities of ``ids[j]`` after ``lists[j]``
+(start ids included), float64 arrays."""
+
+
+class TokenBytes:
+    """A member's text tokens by their bytes: sorted (ties by id), the span of those starting with a
+    prefix, and exact lookups."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
+        text = sorted((b, i) for i, b in enumerate(token_bytes) if b)
+        self.sorted = [b for b, _ in text]
+        self.order = np.array([i for _, i in text], dtype=np.int64)
+        self.other = np.array([i for i, b in enumerate(token_bytes) if not b], dtype=np.int64)  # they end the text
+        self.exact: dict[bytes, list[int]] = {}
+        for b, i in text:
+            self.exact.setdefault(b, []).append(i)
+        self.token_bytes = list(token_bytes)
+
+    def span(self, r: bytes, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+        """``[a, b)``: the positions in ``sorted`` of the tokens that start with ``r`` (within ``[lo, hi)``)."""
+        hi = len(self.sorted) if hi is None else hi
+        if not r:
+            return lo, hi
+        a = bisect.bisect_left(self.sorted, r, lo, hi)
+        return a, bisect.bisect_left(self.sorted, after_prefix(r), a, hi)
+
+    def starting_with(self, r: bytes) -> np.ndarray:
+        a, b = self.span(r)
+        return self.order[a:b]
+
+
+def after_prefix(r: bytes) -> bytes:
+    """The smallest byte string greater than every string that starts with ``r`` (``r`` non-empty)."""
+    s = r.rstrip(b"\xff")
+    return s[:-1] + bytes([s[-1] + 1]) if s else b"\xff" * (len(r) + 1)
+
+
+@dataclass
+class ByteScore:
+    """``logprobs[n]``: the natural-log probability of byte ``n`` given the bytes before it;
+    ``end``: of the text ending after the last byte (computed with ``score_bytes(..., end=True)``);
+    ``histories``: the rows read; ``pruned``: the largest share of a boundary's prefix mass that
+    pruning left out."""
+
+    logprobs: np.ndarray
+    end: float | None = None
+    histories: int = 0
+    pruned: float = 0.0
+
+
+def _logaddexp_at(acc: np.ndarray, n: int, value: float) -> None:
+    acc[n] = np.logaddexp(acc[n], value)
+
+
+def _logsubexp(a: float, b: float) -> float:
+    """``log(exp(a) − exp(b))`` for ``b ≤ a`` (``-inf`` when they are equal)."""
+    if b == -math.inf:
+        return a
+    return a + math.log1p(-min(1.0, math.exp(b - a)))
+
+
+def _spelled(token_bytes: Sequence[bytes | None], chain: Sequence[int], data: bytes) -> list[tuple[int, ...]]:
+    """The prefixes of ``chain`` that spell prefixes of ``data`` strictly shorter than it."""
+    out, at = [()], 0
+    for j, t in enumerate(chain):
+        at += len(token_bytes[t] or b"")
+        if at >= len(data) or data[:at] != b"".join(token_bytes[x] or b"" for x in chain[: j + 1]):
+            break
+        out.append(tuple(chain[: j + 1]))
+    return out
+
+
+def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Take, *,
+                chain: Sequence[int] = (), keep: float = KEEP, width: int | None = WIDTH,
+                end: bool = False) -> ByteScore:
+    """The member's byte-level probability of each byte of ``data`` given the bytes before it (the
+    module docstring). ``chain``: the member's own tokens of ``data``, whose histories are read in one
+    ``take`` first (a cache: the numbers do not depend on it). ``end``: also ``p(end | data)``."""
+    n_bytes = len(data)
+    if n_bytes == 0 and not end:
+        return ByteScore(np.zeros(0))
+    start = list(start)
+    first = [tokens.span(data[i:i + 1]) for i in range(n_bytes)]
+    cache: dict[tuple[int, ...], np.ndarray] = {}
+    pre = _spelled(tokens.token_bytes, chain, data) if chain else []
+    if pre:
+        offsets = np.cumsum([0] + [len(tokens.token_bytes[t] or b"") for t in chain[: len(pre) - 1]])
+        picks = [tokens.order[slice(*first[int(offsets[len(h)])])] for h in pre]
+        cache.update(zip(pre, take([start + list(h) for h in pre], picks)))
+    prefix = np.full(n_bytes + 1, -math.inf)
+    prefix[0] = 0.0
+    dropped = np.full(n_bytes + 1, -math.inf)
+    frontier: dict[int, dict[tuple[int, ...], float]] = {0: {(): 0.0}}
+    floor = math.log(keep) if keep > 0 else -math.inf
+    read = 0
+    for i in range(n_bytes):
+        cands = frontier.pop(i, None)
+        if not cands:
+            continue
+        kept = _prune(cands, prefix[i] + floor, width, dropped, i)
+        lo, hi = first[i]
+        missing = [h for h, _ in kept if h not in cache]
+        if missing:
+            cache.update(zip(missing, take([start + list(h) for h in missing], [tokens.order[lo:hi]] * len(missing))))
+        for h, lp in kept:
+            entries = cache.pop(h)
+            read += 1
+            _grow(data, i, h, lp, entries, lo, hi, tokens, prefix, frontier)
+    cache.clear()
+    out = np.empty(n_bytes)
+    for n in range(n_bytes):  # once a prefix has probability 0, so have its bytes
+        out[n] = prefix[n + 1] - _logsubexp(prefix[n], dropped[n]) if prefix[n] > -math.inf else -math.inf
+    share = max((math.exp(dropped[n] - prefix[n]) for n in range(n_bytes) if dropped[n] > -math.inf), default=0.0)
+    score = ByteScore(out, histories=read, pruned=share)
+    if end:
+        score.end = _end_logprob(data, tokens, start, take, frontier.get(n_bytes, {}), prefix, floor, width, dropped)
+    return score
+
+
+def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None, dropped: np.ndarray,
+           i: int) -> list[tuple[tuple[int, ...], float]]:
+    """The histories kept at boundary ``i`` (most probable first, ties by ids; the first always); the others'
+    mass goes to ``dropped[i]``."""
+    ranked = sorted(cands.items(), key=lambda kv: (-kv[1], kv[0]))
+    keep = [k == 0 or (lp >= floor and (width is None or k < width)) for k, (_, lp) in enumerate(ranked)]
+    gone = [lp for (_, lp), k in zip(ranked, keep) if not k]
+    if gone:
+        dropped[i] = np.logaddexp.reduce(np.array(gone))
+    return [hl for hl, k in zip(ranked, keep) if k]
+
+
+def _grow(data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarray, lo: int, hi: int,
+          tokens: TokenBytes, prefix: np.ndarray, frontier: dict[int, dict[tuple[int, ...], float]]) -> None:
+    """History ``h`` (probability ``exp(lp)``, at boundary ``i``; ``entries``: its log-probabilities of the
+    tokens at ``tokens.sorted[lo:hi]``, those starting with ``data[i]``): its covers of every longer prefix,
+    and the histories it makes."""
+    p = np.exp(entries)
+    a, b, d = lo, hi, 1
+    while i + d <= len(data) and a < b:
+        a, b = tokens.span(data[i:i + d], a, b)
+        if a >= b:
+            break
+        mass = float(p[a - lo:b - lo].sum())
+        if mass > 0:
+            _logaddexp_at(prefix, i + d, lp + math.log(mass))
+        for q, t in enumerate(tokens.exact.get(data[i:i + d], ())):  # they sort first in the span
+            frontier.setdefault(i + d, {})[h + (t,)] = lp + float(entries[a - lo + q])
+        d += 1
+
+
+def _end_logprob(data: bytes, tokens: TokenBytes, start: list[int], take: Take,
+                 cands: dict[tuple[int, ...], float], prefix: np.ndarray, floor: float, width: int | None,
+                 dropped: np.ndarray) -> float:
+    """``log p(end | data)``: the kept histories spelling all of ``data``, their mass on ids that are not text."""
+    n = len(data)
+    if not cands:
+        return -math.inf
+    kept = _prune(cands, prefix[n] + floor, width, dropped, n)
+    rows = take([start + list(h) for h, _ in kept], [tokens.other] * len(kept))  # read, not 1 − the text's mass
+    ends = [lp + (float(np.logaddexp.reduce(r)) if len(r) else -math.inf) for (_, lp), r in zip(kept, rows)]
+    return float(np.logaddexp.reduce(np.array(ends)) - _logsubexp(prefix[n], dropped[n]))

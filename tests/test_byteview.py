@@ -1,0 +1,222 @@
+"""A member as a byte-level model (alignment/byteview.py), against brute force on the real tokenizers:
+random models whose mass lies on the tokens spelled from a small alphabet (and END), every string of
+each length 1..MAX_LEN; and tiny random transformers, a whole document against the sum over its
+tokenizations."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from tokenfuse.alignment.byteview import TokenBytes, score_bytes
+from tokenfuse.engine.text_features import Rows, doc_features, primary_tokens
+
+ALPHABET = b"ab"
+MAX_LEN = 5
+FAMILIES = ("smollm2", "qwen", "gemma3")
+
+
+def _fake_rows(member, seed: int, *, end: bool = True) -> Rows:
+    """``member``'s codec with a random model on it: a seeded function of the id list, its mass on the
+    tokens spelled from ``ALPHABET`` (and the END ids, with ``end``); ``take`` gathers the same float64
+    numbers as ``fn``'s whole rows without building them."""
+    codec = member.codec
+    vocab = len(codec.token_bytes)
+    allowed = np.array([bool(b) and set(b) <= set(ALPHABET) for b in codec.token_bytes])
+    if end:
+        allowed[list(codec.end_ids)] = True
+    where = np.flatnonzero(allowed)
+    at = np.full(vocab, -1, dtype=np.int64)
+    at[where] = np.arange(len(where))
+    memo: dict[tuple[int, ...], np.ndarray] = {}
+
+    def sparse(ids: list[int]) -> np.ndarray:  # the log-probabilities of the ids in ``where``
+        key = tuple(ids)
+        if key not in memo:
+            h = int(hashlib.sha256(f"{seed}:{list(ids)}".encode()).hexdigest()[:12], 16)
+            x = torch.randn(len(where), generator=torch.Generator().manual_seed(h)).double() * 2.0
+            memo[key] = torch.log_softmax(x, dim=-1).numpy()
+        return memo[key]
+
+    def fn(lists):
+        out = []
+        for ids in lists:
+            row = torch.full((vocab,), float("-inf"), dtype=torch.float64)
+            row[torch.from_numpy(where)] = torch.from_numpy(sparse(ids))
+            out.append(row)
+        return out
+
+    def take(lists, ids):
+        out = []
+        for lst, x in zip(lists, ids):
+            j = at[np.asarray(x, dtype=np.int64)]
+            out.append(np.where(j >= 0, sparse(lst)[np.maximum(j, 0)], -np.inf))
+        return out
+
+    rows = Rows(member.name, codec, member.encode_prompt(""), fn, take)
+    rows.support = where  # type: ignore[attr-defined]  # the ids with mass, for the brute force
+    return rows
+
+
+@pytest.fixture(scope="module")
+def fake(make_tiny):
+    return {f: _fake_rows(make_tiny(f, seed=i, name=f), seed=i) for i, f in enumerate(FAMILIES)}
+
+
+def _brute(rows: Rows, n: int) -> tuple[dict[bytes, float], dict[bytes, float]]:
+    """Every token sequence, grown until it spells ``n`` bytes or more or ends: the probability that the
+    text starts with each string of length ``n``, and that it is each shorter string and then ends."""
+    starts: dict[bytes, float] = defaultdict(float)
+    ended: dict[bytes, float] = defaultdict(float)
+    tb = rows.codec.token_bytes
+    stack = [([], b"", 0.0)]
+    while stack:
+        ids, spelled, lp = stack.pop()
+        row = rows.entries([rows.start + ids], [rows.support])[0]
+        for v, lv in zip(rows.support.tolist(), row.tolist()):
+            if not tb[v]:
+                ended[spelled] += math.exp(lp + lv)
+            elif len(spelled + tb[v]) >= n:
+                starts[(spelled + tb[v])[:n]] += math.exp(lp + lv)
+            else:
+                stack.append((ids + [v], spelled + tb[v], lp + lv))
+    return starts, ended
+
+
+def _brute_all(rows: Rows) -> tuple[dict[bytes, float], dict[bytes, float]]:
+    """``_brute`` at ``MAX_LEN``, and from it every shorter string's probability of starting the text."""
+    starts, ended = _brute(rows, MAX_LEN)
+    every: dict[bytes, float] = defaultdict(float)
+    for s, p in list(starts.items()) + list(ended.items()):
+        for n in range(1, len(s) + 1):
+            every[s[:n]] += p
+    return every, ended
+
+
+_TOKENS: dict[int, TokenBytes] = {}
+
+
+def _view(rows: Rows, s: bytes, **kw):
+    if id(rows.codec) not in _TOKENS:
+        _TOKENS[id(rows.codec)] = TokenBytes(rows.codec.token_bytes)
+    tokens = _TOKENS[id(rows.codec)]
+    return score_bytes(s, tokens, rows.start, rows.entries, end=True, **kw)
+
+
+def _strings(n: int) -> list[bytes]:
+    return [bytes(c) for c in itertools.product(ALPHABET, repeat=n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_view_is_the_brute_force_for_every_string(fake, family):
+    """``keep=0, width=None``: each string's probability (the product of its bytes' conditionals) and
+    its probability of ending there equal the brute force within 1e-9, lengths 1..MAX_LEN."""
+    rows = fake[family]
+    starts, ended = _brute(rows, MAX_LEN)
+    assert abs(sum(starts.values()) + sum(ended.values()) - 1.0) < 1e-12
+    every, ended = _brute_all(rows)
+    for n in range(1, MAX_LEN + 1):
+        for s in _strings(n):
+            v = _view(rows, s, keep=0.0, width=None)
+            assert math.isclose(math.exp(v.logprobs.sum()), every.get(s, 0.0), rel_tol=1e-9, abs_tol=1e-15), s
+            if n < MAX_LEN:
+                assert math.isclose(math.exp(v.logprobs.sum() + v.end), ended.get(s, 0.0), rel_tol=1e-9,
+                                    abs_tol=1e-15), s
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prune", [dict(keep=0.0, width=None), dict(), dict(keep=0.05, width=1)])
+def test_every_view_is_a_distribution_over_byte_strings(fake, family, prune):
+    """Exact or pruned, the view's probabilities of all strings of length ``n`` plus those of ending
+    after each shorter string sum to 1, for every ``n`` up to MAX_LEN."""
+    rows = fake[family]
+    views = {s: _view(rows, s, **prune) for n in range(MAX_LEN + 1) for s in _strings(n)}
+    for n in range(1, MAX_LEN + 1):
+        total = sum(math.exp(views[s].logprobs.sum()) for s in _strings(n))
+        total += sum(math.exp(views[s].logprobs.sum() + views[s].end) for m in range(n) for s in _strings(m))
+        assert abs(total - 1.0) < 1e-9, (n, total)
+
+
+def test_pruning_reports_what_it_left_out_and_reads_fewer_rows(fake):
+    rows = fake["qwen"]
+    s = b"abba"
+    exact, pruned = _view(rows, s, keep=0.0, width=None), _view(rows, s, keep=0.05, width=1)
+    assert exact.pruned == 0.0 and pruned.pruned > 0.0
+    assert pruned.histories < exact.histories
+
+
+def test_the_two_path_rule_is_not_a_distribution(fake):
+    """The old component of another member (``e``: its one- and two-token paths to each of the primary's
+    pieces), read as that member's probability of a string, does not sum to 1 over the strings of a
+    length; the byte view of the same member does."""
+    members = [fake["qwen"], fake["gemma3"]]
+    n = 4
+    old = new = 0.0
+    vocabs: dict = {}
+    k = sum(bool(b) and set(b) <= set(ALPHABET) for b in members[0].codec.token_bytes)  # every piece a candidate
+    for s in _strings(n):
+        f = doc_features(s.decode(), members, 0, k=k, vocabs=vocabs)
+        assert np.all(f.true_at >= 0)
+        old += float(np.prod(f.e[1][np.arange(len(f.true_at)), f.true_at]))
+        new += math.exp(_view(members[1], s, keep=0.0, width=None).logprobs.sum())
+    every, _ = _brute_all(members[1])
+    exact = sum(every.get(s, 0.0) for s in _strings(n))
+    assert abs(old - exact) > 0.01
+    assert abs(new - exact) < 1e-9
+
+
+def test_the_chain_is_a_cache_only(fake):
+    """Reading the member's own tokens' rows first changes no number, bit for bit."""
+    rows = fake["smollm2"]
+    s = b"abbabab"
+    own = primary_tokens(rows.codec, s.decode())
+    a, b = _view(rows, s), _view(rows, s, chain=own)
+    assert a.logprobs.tolist() == b.logprobs.tolist() and a.end == b.end
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_document_is_the_sum_over_its_tokenizations(make_tiny, one_thread, family):
+    """A tiny random transformer on the real tokenizer (mass on every id): the exact view's probability of
+    a whole document and then its end equals the sum over every token sequence spelling it of that
+    sequence's probability times its END mass; and the probability that a text starts with the
+    document equals the sum over its covers — each computed with one forward per sequence."""
+    member = make_tiny(family, seed=11, name=family)
+    rows = Rows.from_member(member)
+    doc = b"ab, a"
+    tb = member.codec.token_bytes
+    tokens = TokenBytes(tb)
+
+    def row(ids):
+        st = member.new_state(rows.start + ids)
+        try:
+            return member.next_logprobs([st])[0].double().numpy()
+        finally:
+            member.release(st)
+
+    def spellings(rest: bytes):
+        if not rest:
+            yield []
+        for d in range(1, len(rest) + 1):
+            for t in tokens.exact.get(rest[:d], ()):
+                for tail in spellings(rest[d:]):
+                    yield [t] + tail
+
+    end_ids = [i for i, b in enumerate(tb) if not b]
+    whole = 0.0
+    covers = 0.0
+    for seq in spellings(doc):
+        lp = sum(row(seq[:j])[t] for j, t in enumerate(seq))
+        whole += math.exp(lp + np.logaddexp.reduce(row(seq)[end_ids]))
+    for cut in range(len(doc)):
+        for h in spellings(doc[:cut]):
+            lh = sum(row(h[:j])[t] for j, t in enumerate(h))
+            covers += math.exp(lh) * float(np.exp(row(h)[tokens.starting_with(doc[cut:])]).sum())
+    v = _view(rows, doc, keep=0.0, width=None)
+    assert math.isclose(math.exp(v.logprobs.sum()), covers, rel_tol=1e-5)
+    assert math.isclose(math.exp(v.logprobs.sum() + v.end), whole, rel_tol=1e-5)
