@@ -164,3 +164,20 @@ def ens(members, align_cache):
     from tokenfuse.engine import Ensemble
 
     return Ensemble(members, align_cache=align_cache)
+
+
+TEXT_DOCS = {"code": "x = 1\n", "en": "The cat sat.", "zh": "你好，世界"}
+
+
+@pytest.fixture
+def text_data(tmp_path):
+    """A data folder with ``text/{dev,test}.jsonl``: one document per domain of ``TEXT_DOCS``, its text
+    followed by the split's name (ids ``<split>-<domain>``)."""
+    import json
+
+    (tmp_path / "data" / "text").mkdir(parents=True)
+    for split in ("dev", "test"):
+        with open(tmp_path / "data" / "text" / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for dom, t in TEXT_DOCS.items():
+                f.write(json.dumps({"id": f"{split}-{dom}", "domain": dom, "source": "s", "text": t + split}) + "\n")
+    return tmp_path / "data"

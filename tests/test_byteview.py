@@ -123,7 +123,7 @@ def test_exact_view_is_the_brute_force_for_every_string(fake, family):
     every, ended = _brute_all(rows)
     for n in range(1, MAX_LEN + 1):
         for s in _strings(n):
-            v = _view(rows, s, keep=0.0, width=None)
+            v = _view(rows, s, keep=0.0, width=None, smooth=0.0)
             assert math.isclose(math.exp(v.logprobs.sum()), every.get(s, 0.0), rel_tol=1e-9, abs_tol=1e-15), s
             if n < MAX_LEN:
                 assert math.isclose(math.exp(v.logprobs.sum() + v.end), ended.get(s, 0.0), rel_tol=1e-9,
@@ -131,7 +131,8 @@ def test_exact_view_is_the_brute_force_for_every_string(fake, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("prune", [dict(keep=0.0, width=None), dict(), dict(keep=0.05, width=1)])
+@pytest.mark.parametrize("prune", [dict(keep=0.0, width=None, smooth=0.0), dict(smooth=0.0),
+                                   dict(keep=0.05, width=1, smooth=0.0)])
 def test_every_view_is_a_distribution_over_byte_strings(fake, family, prune):
     """Exact or pruned, the view's probabilities of all strings of length ``n`` plus those of ending
     after each shorter string sum to 1, for every ``n`` up to MAX_LEN."""
@@ -146,7 +147,7 @@ def test_every_view_is_a_distribution_over_byte_strings(fake, family, prune):
 def test_pruning_reports_what_it_left_out_and_reads_fewer_rows(fake):
     rows = fake["qwen"]
     s = b"abba"
-    exact, pruned = _view(rows, s, keep=0.0, width=None), _view(rows, s, keep=0.05, width=1)
+    exact, pruned = _view(rows, s, keep=0.0, width=None, smooth=0.0), _view(rows, s, keep=0.05, width=1)
     assert exact.pruned == 0.0 and pruned.pruned > 0.0
     assert pruned.histories < exact.histories
 
@@ -164,7 +165,7 @@ def test_the_two_path_rule_is_not_a_distribution(fake):
         f = doc_features(s.decode(), members, 0, k=k, vocabs=vocabs)
         assert np.all(f.true_at >= 0)
         old += float(np.prod(f.e[1][np.arange(len(f.true_at)), f.true_at]))
-        new += math.exp(_view(members[1], s, keep=0.0, width=None).logprobs.sum())
+        new += math.exp(_view(members[1], s, keep=0.0, width=None, smooth=0.0).logprobs.sum())
     every, _ = _brute_all(members[1])
     exact = sum(every.get(s, 0.0) for s in _strings(n))
     assert abs(old - exact) > 0.01
@@ -217,6 +218,45 @@ def test_a_document_is_the_sum_over_its_tokenizations(make_tiny, one_thread, fam
         for h in spellings(doc[:cut]):
             lh = sum(row(h[:j])[t] for j, t in enumerate(h))
             covers += math.exp(lh) * float(np.exp(row(h)[tokens.starting_with(doc[cut:])]).sum())
-    v = _view(rows, doc, keep=0.0, width=None)
+    v = _view(rows, doc, keep=0.0, width=None, smooth=0.0)
     assert math.isclose(math.exp(v.logprobs.sum()), covers, rel_tol=1e-5)
     assert math.isclose(math.exp(v.logprobs.sum() + v.end), whole, rel_tol=1e-5)
+
+
+def test_the_chain_gives_the_member_alone_on_its_tokens(fake):
+    """``ByteScore.chain``: the member's log-probability of each of its own tokens, read from the same rows,
+    equals its own scoring of them (``Rows.logprobs_of``), bit for bit."""
+    rows = fake["qwen"]
+    s = b"abbaabab"
+    own = primary_tokens(rows.codec, s.decode())
+    got = _view(rows, s, chain=own).chain
+    want = rows.logprobs_of([rows.start + own[:j] for j in range(len(own))], own)
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
+def test_a_reader_keeps_states_and_gives_the_same_numbers(make_tiny, one_thread, family):
+    """``Rows.reader`` (sequence states kept across calls, each list on the one sharing most of it) gives
+    the numbers of a fresh state per call, and so the same byte view, on a tiny transformer."""
+    rows = Rows.from_member(make_tiny(family, seed=5, name=family))
+    tokens = TokenBytes(rows.codec.token_bytes)
+    doc = b"ab, ba ab"
+    own = primary_tokens(rows.codec, doc.decode())
+    plain = score_bytes(doc, tokens, rows.start, rows.entries, chain=own, keep=0.0, width=3, end=True)
+    with rows.reader() as take:
+        held = score_bytes(doc, tokens, rows.start, take, chain=own, keep=0.0, width=3, end=True)
+    assert held.histories == plain.histories > len(own)
+    np.testing.assert_allclose(held.logprobs, plain.logprobs, rtol=0, atol=1e-5)
+    assert abs(held.end - plain.end) < 1e-5
+
+
+def test_smoothing_gives_every_byte_some_mass(make_tiny, one_thread):
+    """A sharp tiny transformer and a pruned tree: unsmoothed, bytes that only dropped histories reached get
+    probability 0; smoothed (the default), each conditional is ``(1 − ε) p + ε / 257`` of the unsmoothed one."""
+    rows = Rows.from_member(make_tiny("smollm2", seed=5, name="smollm2"))
+    tokens = TokenBytes(rows.codec.token_bytes)
+    doc = b"ab, ba ab"
+    raw = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3, smooth=0.0)
+    smooth = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3)
+    assert np.any(np.isneginf(raw.logprobs)) and np.all(np.isfinite(smooth.logprobs))
+    np.testing.assert_allclose(np.exp(smooth.logprobs), (1 - 1e-6) * np.exp(raw.logprobs) + 1e-6 / 257, rtol=1e-12)

@@ -163,7 +163,7 @@ def test_score_command_prints_every_row_and_names_bad_files(make_tiny, tmp_path,
     assert f"{bad}: not UTF-8 text (byte 3 is not valid UTF-8)" in capsys.readouterr().err
 
 
-def test_text_run_writes_results_and_resumes(make_tiny, tmp_path, monkeypatch, capsys):
+def test_text_run_writes_results_and_resumes(make_tiny, text_data, tmp_path, monkeypatch, capsys):
     import json as _json
 
     from tokenfuse import cli, load
@@ -172,13 +172,7 @@ def test_text_run_writes_results_and_resumes(make_tiny, tmp_path, monkeypatch, c
 
     members = [make_tiny("gemma3", seed=7, name="g"), make_tiny("qwen", seed=8, name="q")]
     monkeypatch.setattr(load, "load_ensemble", lambda cfg, progress=True: Ensemble(members))
-    (tmp_path / "data" / "text").mkdir(parents=True)
-    texts = {"code": "x = 1\n", "en": "The cat sat.", "zh": "你好，世界"}
-    for split in ("dev", "test"):
-        with open(tmp_path / "data" / "text" / f"{split}.jsonl", "w", encoding="utf-8") as f:
-            for dom, t in texts.items():
-                f.write(_json.dumps({"id": f"{split}-{dom}", "domain": dom, "source": "s", "text": t + split}) + "\n")
-    args = ["eval", "--tasks", "text", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--quiet"]
+    args = ["eval", "--tasks", "text", "--data", str(text_data), "--out", str(tmp_path / "out"), "--quiet"]
     assert cli.main(args) == 0
     res = _json.loads((tmp_path / "out" / "results.json").read_text())
     assert res["test_documents"] == 3 and res["primary"] in ("g", "q")

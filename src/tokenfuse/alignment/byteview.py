@@ -23,7 +23,7 @@ starting with the byte ``x[i]`` are read (``take``: the backend gathers them whe
 ``keep = 0`` and ``width = None`` are exact (every history; exponential in the length, for tests and
 short strings). By default the tree is pruned at each boundary: a history is dropped when its
 probability is below ``keep`` times ``P(x[:i])`` or it is not among the ``width`` most probable there
-(the most probable is always kept). A
+(the most probable stays when the dropped would hold all of ``P(x[:i])``). A
 pruned view stays a distribution: ``p(x[n] | x[:n]) = P̂(x[:n+1]) / (P̂(x[:n]) − D_n)``, with ``P̂`` the
 kept histories' covers and ``D_n`` the mass of the histories dropped at boundary ``n`` (exactly what the
 257 outcomes' sum lacks), and it depends only on the bytes before ``n`` (a proper predictor). For a
@@ -42,6 +42,7 @@ import numpy as np
 
 KEEP = 1e-3  # default: a history below this share of its boundary's prefix mass is dropped
 WIDTH = 2  # default: at most this many histories per boundary
+SMOOTH = 1e-6  # default: this share of each next-symbol distribution is spread evenly over the 257 outcomes
 
 Take = Callable[[list[list[int]], list[np.ndarray]], list[np.ndarray]]
 """``take(lists, ids)``: the member's next-token natural-log probabilities of ``ids[j]`` after ``lists[j]``
@@ -56,6 +57,8 @@ class TokenBytes:
         text = sorted((b, i) for i, b in enumerate(token_bytes) if b)
         self.sorted = [b for b, _ in text]
         self.order = np.array([i for _, i in text], dtype=np.int64)
+        self.rank = np.full(len(token_bytes), -1, dtype=np.int64)  # each text token's position in ``sorted``
+        self.rank[self.order] = np.arange(len(self.order))
         self.other = np.array([i for i, b in enumerate(token_bytes) if not b], dtype=np.int64)  # they end the text
         self.exact: dict[bytes, list[int]] = {}
         for b, i in text:
@@ -86,12 +89,14 @@ class ByteScore:
     """``logprobs[n]``: the natural-log probability of byte ``n`` given the bytes before it;
     ``end``: of the text ending after the last byte (computed with ``score_bytes(..., end=True)``);
     ``histories``: the rows read; ``pruned``: the largest share of a boundary's prefix mass that
-    pruning left out."""
+    pruning left out; ``chain``: the member's log-probability of each of its own tokens (with ``chain``:
+    the member alone on its tokens, read from the same rows)."""
 
     logprobs: np.ndarray
     end: float | None = None
     histories: int = 0
     pruned: float = 0.0
+    chain: np.ndarray | None = None
 
 
 def _logaddexp_at(acc: np.ndarray, n: int, value: float) -> None:
@@ -118,21 +123,26 @@ def _spelled(token_bytes: Sequence[bytes | None], chain: Sequence[int], data: by
 
 def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Take, *,
                 chain: Sequence[int] = (), keep: float = KEEP, width: int | None = WIDTH,
-                end: bool = False) -> ByteScore:
+                smooth: float = SMOOTH, end: bool = False) -> ByteScore:
     """The member's byte-level probability of each byte of ``data`` given the bytes before it (the
     module docstring). ``chain``: the member's own tokens of ``data``, whose histories are read in one
-    ``take`` first (a cache: the numbers do not depend on it). ``end``: also ``p(end | data)``."""
+    ``take`` first (a cache: the numbers do not depend on it). ``smooth``: each next-symbol distribution
+    mixed with the uniform one over the 256 bytes and the end at this weight (a pruned tree can leave a
+    byte no mass; exact with 0). ``end``: also ``p(end | data)``."""
     n_bytes = len(data)
     if n_bytes == 0 and not end:
         return ByteScore(np.zeros(0))
     start = list(start)
     first = [tokens.span(data[i:i + 1]) for i in range(n_bytes)]
     cache: dict[tuple[int, ...], np.ndarray] = {}
+    own = None
     pre = _spelled(tokens.token_bytes, chain, data) if chain else []
     if pre:
         offsets = np.cumsum([0] + [len(tokens.token_bytes[t] or b"") for t in chain[: len(pre) - 1]])
         picks = [tokens.order[slice(*first[int(offsets[len(h)])])] for h in pre]
         cache.update(zip(pre, take([start + list(h) for h in pre], picks)))
+        own = np.array([cache[h][tokens.rank[chain[j]] - first[int(offsets[j])][0]] for j, h in enumerate(pre)
+                        if j < len(chain)])
     prefix = np.full(n_bytes + 1, -math.inf)
     prefix[0] = 0.0
     dropped = np.full(n_bytes + 1, -math.inf)
@@ -143,7 +153,7 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
         cands = frontier.pop(i, None)
         if not cands:
             continue
-        kept = _prune(cands, prefix[i] + floor, width, dropped, i)
+        kept = _prune(cands, prefix[i] + floor, width, dropped, i, prefix[i])
         lo, hi = first[i]
         missing = [h for h, _ in kept if h not in cache]
         if missing:
@@ -157,19 +167,31 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
     for n in range(n_bytes):  # once a prefix has probability 0, so have its bytes
         out[n] = prefix[n + 1] - _logsubexp(prefix[n], dropped[n]) if prefix[n] > -math.inf else -math.inf
     share = max((math.exp(dropped[n] - prefix[n]) for n in range(n_bytes) if dropped[n] > -math.inf), default=0.0)
-    score = ByteScore(out, histories=read, pruned=share)
+    score = ByteScore(_smoothed(out, smooth), histories=read, pruned=share, chain=own)
     if end:
-        score.end = _end_logprob(data, tokens, start, take, frontier.get(n_bytes, {}), prefix, floor, width, dropped)
+        raw = _end_logprob(data, tokens, start, take, frontier.get(n_bytes, {}), prefix, floor, width, dropped)
+        score.end = float(_smoothed(np.array([raw]), smooth)[0])
     return score
 
 
+def _smoothed(logprobs: np.ndarray, smooth: float) -> np.ndarray:
+    """``log((1 − smooth) p + smooth / 257)`` of each ``log p``."""
+    if smooth <= 0:
+        return logprobs
+    return np.logaddexp(math.log1p(-smooth) + logprobs, math.log(smooth / 257))
+
+
 def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None, dropped: np.ndarray,
-           i: int) -> list[tuple[tuple[int, ...], float]]:
-    """The histories kept at boundary ``i`` (most probable first, ties by ids; the first always); the others'
-    mass goes to ``dropped[i]``."""
+           i: int, mass: float) -> list[tuple[tuple[int, ...], float]]:
+    """The histories kept at boundary ``i`` (most probable first, ties by ids); the others' mass goes to
+    ``dropped[i]``. ``mass``: ``log P̂(x[:i])``; when the dropped ones would hold all of it (nothing would be
+    left to predict the next byte), the most probable is kept."""
     ranked = sorted(cands.items(), key=lambda kv: (-kv[1], kv[0]))
-    keep = [k == 0 or (lp >= floor and (width is None or k < width)) for k, (_, lp) in enumerate(ranked)]
+    keep = [lp >= floor and (width is None or k < width) for k, (_, lp) in enumerate(ranked)]
     gone = [lp for (_, lp), k in zip(ranked, keep) if not k]
+    if gone and not keep[0] and np.logaddexp.reduce(np.array(gone)) >= mass + math.log1p(-1e-9):
+        keep[0] = True
+        gone = gone[1:]
     if gone:
         dropped[i] = np.logaddexp.reduce(np.array(gone))
     return [hl for hl, k in zip(ranked, keep) if k]
@@ -201,7 +223,9 @@ def _end_logprob(data: bytes, tokens: TokenBytes, start: list[int], take: Take,
     n = len(data)
     if not cands:
         return -math.inf
-    kept = _prune(cands, prefix[n] + floor, width, dropped, n)
+    kept = _prune(cands, prefix[n] + floor, width, dropped, n, prefix[n])
+    if not kept:
+        return -math.inf
     rows = take([start + list(h) for h, _ in kept], [tokens.other] * len(kept))  # read, not 1 − the text's mass
     ends = [lp + (float(np.logaddexp.reduce(r)) if len(r) else -math.inf) for (_, lp), r in zip(kept, rows)]
     return float(np.logaddexp.reduce(np.array(ends)) - _logsubexp(prefix[n], dropped[n]))

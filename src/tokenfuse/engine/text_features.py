@@ -32,8 +32,9 @@ member's own tokens of the document).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,10 +43,11 @@ import torch
 from tokenfuse.alignment.byteview import TokenBytes
 from tokenfuse.engine.likelihood import positions
 from tokenfuse.engine.sync import incomplete_tail, resync
-from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.base import Member, SeqState, common_prefix
 from tokenfuse.members.codec import ByteCodec
 
 DEFAULT_CANDIDATES = 16
+READERS = 3  # sequence states a ``Rows.reader`` keeps: one per live branch of a byte view's tree
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Rows:
     start: list[int]
     fn: Callable[[list[list[int]]], list[torch.Tensor]]
     take: Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]] | None = None
+    held: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @classmethod
     def from_member(cls, member: Member) -> Rows:
@@ -75,7 +78,38 @@ class Rows:
         def take(lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
             return [r.numpy().astype(np.float64) for r in fn(lists, ids)]
 
-        return cls(member.name, member.codec, start, fn, take)
+        @contextlib.contextmanager
+        def held() -> Iterator[Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]]]:
+            states = [member.new_state(start) for _ in range(READERS)]
+
+            def take_held(lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
+                # each list on the state whose cache shares the longest prefix with it (a branch each)
+                where = [max(range(READERS), key=lambda r: common_prefix(states[r].cached_ids(), x)) for x in lists]
+                out: list[np.ndarray | None] = [None] * len(lists)
+                for r in sorted(set(where)):
+                    mine = [j for j, w in enumerate(where) if w == r]
+                    got = positions(member, states[r], [lists[j] for j in mine], pick=[ids[j] for j in mine])
+                    for j, row in zip(mine, got):
+                        out[j] = row.numpy().astype(np.float64)
+                return out  # type: ignore[return-value]
+
+            try:
+                yield take_held
+            finally:
+                for st in states:
+                    member.release(st)
+
+        return cls(member.name, member.codec, start, fn, take, held)
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]]]:
+        """``entries`` on one sequence state kept across calls (a member's KV cache: a list that shares a
+        prefix with the last one fed re-feeds only the rest), for many small reads along one text."""
+        if self.held is None:
+            yield self.entries
+            return
+        with self.held() as take:
+            yield take
 
     def entries(self, lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
         """The natural-log probabilities of ``ids[j]`` (several) after ``lists[j]``, for each ``j``."""

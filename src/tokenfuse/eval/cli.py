@@ -95,11 +95,12 @@ def run(args: argparse.Namespace) -> int:
         raise TokenfuseError(f"--threshold: expected a number in [0, 1], got {args.eval_threshold}")
     cfg = EnsembleConfig.from_args(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if "text" in tasks:
-        if tasks != ["text"]:
-            raise TokenfuseError("--tasks: text (bits per byte of held-out documents) runs on its own: "
-                                 "`--tasks text`, and the other tasks in another run")
-        return _run_text(cfg, args)
+    for own in ("text", "text-bytes"):
+        if own in tasks:
+            if tasks != [own]:
+                raise TokenfuseError(f"--tasks: {own} (bits per byte of held-out documents) runs on its own: "
+                                     f"`--tasks {own}`, and the other tasks in another run")
+            return _run_text(cfg, args, own)
     if args.eval_gate or (args.eval_threshold is not None and cfg.gate):  # only gac-threshold uses them
         threshold = args.eval_threshold if args.eval_threshold is not None else (cfg.threshold or DEFAULT_THRESHOLD)
         cfg = cfg.with_overrides(gate=args.eval_gate or cfg.gate, threshold=threshold, origin="--gate/--threshold")
@@ -118,17 +119,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_text(cfg: EnsembleConfig, args: argparse.Namespace) -> int:
+def _run_text(cfg: EnsembleConfig, args: argparse.Namespace, task: str = "text") -> int:
     from tokenfuse.engine.text_features import Rows
     from tokenfuse.eval.text import TextSettings, markdown, run_text
+    from tokenfuse.eval.text_bytes import run_text_bytes
     from tokenfuse.load import load_ensemble
 
     t0 = time.perf_counter()
     ens = load_ensemble(cfg, progress=not args.quiet)
     settings = TextSettings(out=args.out, data=args.data, limit=args.limit, primary=args.primary,
                             progress=not args.quiet)
-    results = run_text([Rows.from_member(m) for m in ens.members], settings)
+    run = run_text if task == "text" else run_text_bytes
+    results = run([Rows.from_member(m) for m in ens.members], settings)
     print(markdown(results))
-    print(f"wrote {args.out}/results.json, results.md and items-text.jsonl ({time.perf_counter() - t0:.0f} s)",
+    print(f"wrote {args.out}/results.json, results.md and items-{task}.jsonl ({time.perf_counter() - t0:.0f} s)",
           file=sys.stderr)
     return 0

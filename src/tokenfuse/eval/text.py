@@ -155,8 +155,10 @@ def _compare(row_bits: np.ndarray, best_bits: np.ndarray) -> dict:
             "p": float((1 + extreme) / (1 + FLIPS))}
 
 
-def aggregate(records: Sequence[dict], rows: Sequence[str], members: Sequence[str]) -> dict:
-    """Bits per byte per domain and pooled, and ``vs_best`` for every row that is not a member."""
+def aggregate(records: Sequence[dict], rows: Sequence[str], members: Sequence[str], *,
+              versus_doc_mix: Sequence[str] = text_rows.TOKEN_ROWS) -> dict:
+    """Bits per byte per domain and pooled, ``vs_best`` for every row that is not a member (the best
+    ``single:`` row), and ``vs_doc_mix`` for the rows in ``versus_doc_mix``."""
     domains = sorted({r["domain"] for r in records})
     groups = {d: [r for r in records if r["domain"] == d] for d in domains} | {"pooled": list(records)}
     out: dict = {row: {"bpb": {}, "vs_best": {}} for row in rows}
@@ -173,7 +175,7 @@ def aggregate(records: Sequence[dict], rows: Sequence[str], members: Sequence[st
                 out[row]["vs_best"][g] = _compare(bits[row], bits[best]) | {"best": best}
         if "doc-mix" in rows:
             for row in rows:
-                if row in text_rows.TOKEN_ROWS:
+                if row in versus_doc_mix:
                     out[row].setdefault("vs_doc_mix", {})[g] = _compare(bits[row], bits["doc-mix"])
     for key in ("vs_best", "vs_doc_mix"):  # two families, each Holm-adjusted on its own
         family = [(row, g) for row in rows for g in groups if g in out[row].get(key, {})]

@@ -315,7 +315,7 @@ class LocalMember(Member):
         ``pick`` (one list of ``k`` ids per end; ``ends`` strictly increasing): only those entries of
         each row, ``float32[len(ends), k]``, taken from each row where the backend computes it (no
         whole row is kept or stacked: a 262k-entry vocabulary makes that the cost of scoring); the
-        same numbers as the whole rows' entries, bit for bit.
+        same numbers as the whole rows' entries, bit for bit (a list of rows when the lists' sizes differ).
         """
         return self.logprobs_at_many([st], [ends], picks=None if pick is None else [pick])[0]
 
@@ -338,7 +338,7 @@ class LocalMember(Member):
             st.mark_cached()
             if picks is None and e[-1] == st.length:
                 st.logprobs, st.logprobs_len = rows[-1], st.length
-            out.append(torch.stack(rows))
+            out.append(torch.stack(rows) if len({len(r) for r in rows}) == 1 else list(rows))
         return out
 
     def _forward_at_many(self, states: list[SeqState], ends: list[list[int]], *,

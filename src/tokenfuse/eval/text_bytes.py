@@ -1,0 +1,124 @@
+"""Bits per byte of held-out text under the byte rows (``tokenfuse eval --tasks text-bytes``): every
+member as a byte-level model (alignment/byteview.py), mixed byte by byte (engine/byte_rows.py).
+
+The run, resumable (each document's numbers are kept under ``--out/bytes/`` as they are made):
+
+1. the first ``DEV_PER_DOMAIN`` dev documents of each domain and every test document: each member's
+   byte view of the document (``score_bytes`` with ``KEEP``/``WIDTH``, its own tokens as the chain)
+   and, from the same rows, the member alone on its own tokens (``single``);
+2. the byte rows' weights, rate and gate fit on the dev documents (``byte_rows.fit_bytes``), and
+   ``doc-mix``'s weights (EM on the dev documents' ``single`` totals);
+3. every row on every test document → ``items-text-bytes.jsonl``, ``results.json`` and ``results.md``
+   as in the ``text`` run (``eval.text.aggregate``: against the best member and against ``doc-mix``,
+   each family Holm-adjusted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tokenfuse.alignment.byteview import TokenBytes, score_bytes
+from tokenfuse.engine import byte_rows
+from tokenfuse.engine.text_features import Rows, primary_tokens
+from tokenfuse.engine.text_rows import em_weights
+from tokenfuse.eval.batches import stderr_log
+from tokenfuse.eval.text import DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, doc_key, markdown, per_domain
+from tokenfuse.progress import progress_bar
+from tokenfuse.tasks.text import Document, load_documents
+
+KEEP = 1e-2  # chosen on dev documents only (docs/benchmarks.md, "Byte-level views"): cost against bits
+WIDTH = 1
+
+
+def row_names(members: Sequence[Rows]) -> list[str]:
+    return ([f"single:{m.name}" for m in members] + [f"bytes:{m.name}" for m in members] + ["doc-mix"]
+            + list(byte_rows.BYTE_ROWS))
+
+
+def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str) -> dict[str, np.ndarray]:
+    """Each member's byte view of ``text`` (``q<i>``: natural-log probability of each byte) and its own
+    tokens' log-probabilities (``single<i>``), with the rows each read (``rows``)."""
+    data = text.encode("utf-8")
+    out: dict[str, np.ndarray] = {}
+    read = []
+    for i, (m, tb) in enumerate(zip(members, tokens)):
+        own = primary_tokens(m.codec, text)
+        with m.reader() as take:
+            s = score_bytes(data, tb, m.start, take, chain=own, keep=KEEP, width=WIDTH)
+        out[f"q{i}"] = s.logprobs
+        out[f"single{i}"] = s.chain if s.chain is not None else np.zeros(0)
+        read.append(s.histories)
+    out["rows"] = np.array(read)
+    return out
+
+
+def _features(members: Sequence[Rows], docs: Sequence[Document], split: str, out: Path,
+              progress: bool) -> list[dict[str, np.ndarray]]:
+    folder = out / "bytes" / split
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = [TokenBytes(m.codec.token_bytes) for m in members]
+    got: list[dict | None] = [dict(np.load(p)) if (p := folder / f"{doc_key(d)}.npz").is_file() else None
+                              for d in docs]
+    todo = [k for k, g in enumerate(got) if g is None]
+    stderr_log(f"text-bytes {split}: {len(members)} members' byte views of {len(docs)} documents "
+               f"({sum(d.nbytes for d in docs):,} bytes; {len(docs) - len(todo)} already done)")
+    with progress_bar(total=len(docs), initial=len(docs) - len(todo), desc=f"{split} documents", unit="doc",
+                      enabled=progress) as bar:
+        for k in todo:
+            got[k] = doc_bytes(members, tokens, docs[k].text)
+            np.savez(folder / f"{doc_key(docs[k])}.npz", **got[k])
+            bar.update(1)
+    return got  # type: ignore[return-value]
+
+
+def _q(f: dict[str, np.ndarray], n: int) -> np.ndarray:
+    return np.exp(np.stack([f[f"q{i}"] for i in range(n)], axis=1))
+
+
+def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
+    """The whole run (the module docstring); returns ``results.json``'s content."""
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = per_domain(load_documents("dev", settings.data), settings.dev_per_domain or DEV_PER_DOMAIN)
+    test = load_documents("test", settings.data)[: settings.limit]
+    names = [m.name for m in members]
+    n = len(members)
+    t0 = time.perf_counter()
+    dev_f = _features(members, dev, "dev", out, settings.progress)
+    t_dev = time.perf_counter() - t0
+    fitted = byte_rows.fit_bytes([_q(f, n) for f in dev_f])
+    doc_w = em_weights(np.array([[f[f"single{i}"].sum() for i in range(n)] for f in dev_f]))
+    stderr_log("text-bytes fit on dev: doc-mix " + str(np.round(doc_w, 4).tolist()) + "; "
+               + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
+    test_f = _features(members, test, "test", out, settings.progress)
+    t_test = time.perf_counter() - t0 - t_dev
+    rows = row_names(members)
+    records = []
+    for d, f in zip(test, test_f):
+        single = np.array([f[f"single{i}"].sum() for i in range(n)])
+        lp = {f"single:{names[i]}": single[i] for i in range(n)}
+        lp |= {f"bytes:{names[i]}": f[f"q{i}"].sum() for i in range(n)}
+        top = single.max()
+        lp["doc-mix"] = top + math.log(float(np.exp(single - top) @ doc_w))
+        q = _q(f, n)
+        lp |= {row: byte_rows.byte_logprobs(row, q, fitted[row]).sum() for row in byte_rows.BYTE_ROWS}
+        records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "rows_read": f["rows"].tolist(),
+                        "bits": {k: round(-float(v) / LN2, 4) for k, v in lp.items()}})
+    with (out / "items-text-bytes.jsonl").open("w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    results = {"task": "text-bytes", "members": names, "primary": "none (byte rows)", "keep": KEEP,
+               "width": WIDTH, "fitted": {row: p.as_dict() for row, p in fitted.items()}
+               | {"doc-mix": {"weights": doc_w.tolist()}},
+               "dev_documents": len(dev), "test_documents": len(test),
+               "seconds": _add_seconds(out, {"dev_bytes": t_dev, "test_bytes": t_test})}
+    results |= aggregate(records, rows, names, versus_doc_mix=byte_rows.BYTE_ROWS)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    return results
