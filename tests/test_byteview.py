@@ -250,13 +250,14 @@ def test_a_reader_keeps_states_and_gives_the_same_numbers(make_tiny, one_thread,
     assert abs(held.end - plain.end) < 1e-5
 
 
-def test_smoothing_gives_every_byte_some_mass(make_tiny, one_thread):
-    """A sharp tiny transformer and a pruned tree: unsmoothed, bytes that only dropped histories reached get
-    probability 0; smoothed (the default), each conditional is ``(1 − ε) p + ε / 257`` of the unsmoothed one."""
+def test_a_pruned_tree_gives_every_byte_mass_and_smoothing_mixes_in_the_uniform(make_tiny, one_thread):
+    """A sharp tiny transformer and a pruned tree: every byte keeps mass even unsmoothed (a boundary's most
+    probable history is always kept, and can spell any next byte); smoothed (the default), each
+    conditional is ``(1 − ε) p + ε / 257`` of the unsmoothed one."""
     rows = Rows.from_member(make_tiny("smollm2", seed=5, name="smollm2"))
     tokens = TokenBytes(rows.codec.token_bytes)
     doc = b"ab, ba ab"
     raw = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3, smooth=0.0)
     smooth = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3)
-    assert np.any(np.isneginf(raw.logprobs)) and np.all(np.isfinite(smooth.logprobs))
+    assert np.all(np.isfinite(raw.logprobs)) and np.all(np.isfinite(smooth.logprobs))
     np.testing.assert_allclose(np.exp(smooth.logprobs), (1 - 1e-6) * np.exp(raw.logprobs) + 1e-6 / 257, rtol=1e-12)

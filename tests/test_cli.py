@@ -107,7 +107,7 @@ def test_invalid_yaml(capsys, tmp_path):
     (["--models", "smollm2,qwen", "--weights=-1,1"], "members.0.weight"),
     (["--models", "smollm2,qwen", "--threshold", "0.5"], "gate"),
     (["--models", "smollm2,qwen", "--gate", "gemma3"], "gate: 'gemma3' is not a member"),
-    (["--models", "smollm2,qwen", "--method", "gca"], "available: contrast, deepen, gac, unite"),
+    (["--models", "smollm2,qwen", "--method", "gca"], "available: byte, contrast, deepen, gac, unite"),
     (["--models", "smollm2,qwen", "--top-p", "0"], "decoding.top_p"),
 ])
 def test_flag_errors_are_one_line(capsys, fake_load, argv, needle):
@@ -120,7 +120,7 @@ def test_flag_errors_are_one_line(capsys, fake_load, argv, needle):
 @pytest.mark.parametrize("argv,needle", [
     (["--thresholds", "x"], "--thresholds: expected comma-separated numbers in [0, 1]"),
     (["--thresholds", "0.3,1.5"], "--thresholds"),
-    (["--methods", "gac,foo"], "--methods: unknown method foo; choose from contrast, deepen, gac, unite"),
+    (["--methods", "gac,foo"], "--methods: unknown method foo; choose from byte, contrast, deepen, gac, unite"),
     (["--backends", "gpu"], "--backends: unknown backend gpu"),
     (["--repeats", "0"], "--repeats: expected a whole number >= 1"),
     (["--max-new-tokens", "many"], "--max-new-tokens"),

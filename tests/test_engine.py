@@ -239,7 +239,7 @@ def test_ensemble_rejects_bad_setups(trio):
         Ensemble([a, b], threshold=0.5)
     with pytest.raises(ConfigError, match="'nobody' is not a member"):
         Ensemble([a, b], gate="nobody", threshold=0.5)
-    with pytest.raises(ConfigError, match="method.*available: contrast, deepen, gac, unite"):
+    with pytest.raises(ConfigError, match="method.*available: byte, contrast, deepen, gac, unite"):
         Ensemble([a, b], method="gak")
 
 

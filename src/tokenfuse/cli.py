@@ -91,7 +91,7 @@ def _ensemble_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="ensemble config YAML (see examples/)")
     src.add_argument("--models", help="comma-separated members: bundled names, local dirs, .gguf files or hub ids "
                                       "(default: the three bundled models)")
-    p.add_argument("--method", help="combiner: gac (default), unite, deepen, contrast")
+    p.add_argument("--method", help="combiner: gac (default), unite, deepen, contrast, byte (byte by byte)")
     p.add_argument("--param", action="append", metavar="KEY=VALUE",
                    help="combiner parameter, e.g. --param k=5 for unite (repeatable)")
     p.add_argument("--primary", help="primary member (default: highest score in the config, else the first)")

@@ -23,7 +23,7 @@ starting with the byte ``x[i]`` are read (``take``: the backend gathers them whe
 ``keep = 0`` and ``width = None`` are exact (every history; exponential in the length, for tests and
 short strings). By default the tree is pruned at each boundary: a history is dropped when its
 probability is below ``keep`` times ``P(x[:i])`` or it is not among the ``width`` most probable there
-(the most probable stays when the dropped would hold all of ``P(x[:i])``). A
+(the most probable always stays: ``_prune``). A
 pruned view stays a distribution: ``p(x[n] | x[:n]) = P̂(x[:n+1]) / (P̂(x[:n]) − D_n)``, with ``P̂`` the
 kept histories' covers and ``D_n`` the mass of the histories dropped at boundary ``n`` (exactly what the
 257 outcomes' sum lacks), and it depends only on the bytes before ``n`` (a proper predictor). For a
@@ -40,8 +40,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KEEP = 1e-3  # default: a history below this share of its boundary's prefix mass is dropped
-WIDTH = 2  # default: at most this many histories per boundary
+KEEP = 1e-2  # default: a history below this share of its boundary's prefix mass is dropped (chosen on dev
+# text, docs/benchmarks.md "Byte-level views": bits against rows read)
+WIDTH = 1  # default: at most this many histories per boundary
+LOOK = 256  # ``score_bytes``: at most this many chain tokens read ahead after a history off it
 SMOOTH = 1e-6  # default: this share of each next-symbol distribution is spread evenly over the 257 outcomes
 
 Take = Callable[[list[list[int]], list[np.ndarray]], list[np.ndarray]]
@@ -110,44 +112,84 @@ def _logsubexp(a: float, b: float) -> float:
     return a + math.log1p(-min(1.0, math.exp(b - a)))
 
 
-def _spelled(token_bytes: Sequence[bytes | None], chain: Sequence[int], data: bytes) -> list[tuple[int, ...]]:
-    """The prefixes of ``chain`` that spell prefixes of ``data`` strictly shorter than it."""
-    out, at = [()], 0
-    for j, t in enumerate(chain):
-        at += len(token_bytes[t] or b"")
-        if at >= len(data) or data[:at] != b"".join(token_bytes[x] or b"" for x in chain[: j + 1]):
+def _spelled(token_bytes: Sequence[bytes | None], path: Sequence[int], data: bytes, at: int = 0) -> list[int]:
+    """Where each prefix of ``path`` that spells ``data[at:]`` up to a point strictly before its end ends
+    (``at`` for the empty one)."""
+    out, pos = [at], at
+    for t in path:
+        b = token_bytes[t] or b""
+        if not b or data[pos:pos + len(b)] != b or pos + len(b) >= len(data):
             break
-        out.append(tuple(chain[: j + 1]))
+        pos += len(b)
+        out.append(pos)
     return out
+
+
+class _Reads:
+    """``score_bytes``'s rows by history (``cache``), read ahead along paths: a path (a history and the
+    member's own tokens of the bytes after it) is read in one ``take``, then (``prefetch``) the
+    histories one token off it that pruning could keep (``_branches``) in one more."""
+
+    def __init__(self, data: bytes, tokens: TokenBytes, start: list[int], take: Take, first: list[tuple[int, int]],
+                 floor: float, width: int | None, prefetch: bool) -> None:
+        self.data, self.tokens, self.start, self.take, self.first = data, tokens, start, take, first
+        self.floor, self.width, self.prefetch = floor, width, prefetch
+        self.cache: dict[tuple[int, ...], np.ndarray] = {}
+        self.on_path: set[tuple[int, ...]] = set()
+        self.window = 8  # chain tokens the next path off the chain reads ahead
+
+    def read(self, hs: list[tuple[int, ...]], ats: list[int]) -> None:
+        """The rows of the histories ``hs`` not read yet (``ats``: their boundaries)."""
+        todo = [(h, at) for h, at in zip(hs, ats) if h not in self.cache]
+        if todo:
+            rows = self.take([self.start + list(h) for h, _ in todo],
+                             [self.tokens.order[slice(*self.first[at])] for _, at in todo])
+            self.cache.update(zip((h for h, _ in todo), rows))
+
+    def path(self, h: tuple[int, ...], lp: float, at: int, path: Sequence[int]) -> np.ndarray:
+        """Read ``h + path[:k]`` for each ``k`` that ends before the data does (``h``: log-probability
+        ``lp``, at boundary ``at``); returns the log-probability of each ``path[k]`` after it."""
+        tb = self.tokens.token_bytes
+        ends = _spelled(tb, path, self.data, at)
+        pre = [h + tuple(path[:k]) for k in range(len(ends))]
+        self.read(pre, ends)
+        self.on_path.update(pre)
+        own = np.array([self.cache[x][self.tokens.rank[path[k]] - self.first[ends[k]][0]]
+                        for k, x in enumerate(pre) if k < len(path)])
+        if self.prefetch:
+            lps = lp + np.concatenate([[0.0], np.cumsum(own)])[: len(pre)]
+            ahead = _branches(self.data, self.tokens, pre, ends, lps, self.cache, self.first, self.floor, self.width)
+            self.read(list(ahead), list(ahead.values()))
+        return own
 
 
 def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Take, *,
                 chain: Sequence[int] = (), keep: float = KEEP, width: int | None = WIDTH,
-                smooth: float = SMOOTH, end: bool = False) -> ByteScore:
+                smooth: float = SMOOTH, end: bool = False, prefetch: bool = True) -> ByteScore:
     """The member's byte-level probability of each byte of ``data`` given the bytes before it (the
     module docstring). ``chain``: the member's own tokens of ``data``, whose histories are read in one
     ``take`` first (a cache: the numbers do not depend on it). ``smooth``: each next-symbol distribution
     mixed with the uniform one over the 256 bytes and the end at this weight (a pruned tree can leave a
-    byte no mass; exact with 0). ``end``: also ``p(end | data)``."""
+    byte no mass; exact with 0). ``end``: also ``p(end | data)``. ``prefetch``: with ``chain``, the
+    histories one token off it that can be kept (``_branches``) are read in one more ``take`` (a
+    backend's shared calls; a cache again), and where a kept history that was not read yet stands at
+    a boundary of the chain, the chain's next tokens after it are read ahead the same way (``window``
+    of them, doubling each time up to ``LOOK``): a member's best history can leave its own tokens and
+    follow them again shifted (`` Reason`` + ``ing`` for `` Reasoning``)."""
     n_bytes = len(data)
     if n_bytes == 0 and not end:
         return ByteScore(np.zeros(0))
     start = list(start)
     first = [tokens.span(data[i:i + 1]) for i in range(n_bytes)]
-    cache: dict[tuple[int, ...], np.ndarray] = {}
-    own = None
-    pre = _spelled(tokens.token_bytes, chain, data) if chain else []
-    if pre:
-        offsets = np.cumsum([0] + [len(tokens.token_bytes[t] or b"") for t in chain[: len(pre) - 1]])
-        picks = [tokens.order[slice(*first[int(offsets[len(h)])])] for h in pre]
-        cache.update(zip(pre, take([start + list(h) for h in pre], picks)))
-        own = np.array([cache[h][tokens.rank[chain[j]] - first[int(offsets[j])][0]] for j, h in enumerate(pre)
-                        if j < len(chain)])
+    floor = math.log(keep) if keep > 0 else -math.inf
+    reads = _Reads(data, tokens, start, take, first, floor, width, prefetch)
+    cache = reads.cache
+    own = reads.path((), 0.0, 0, chain) if chain and n_bytes else None
+    at_chain = {at: j for j, at in enumerate(_spelled(tokens.token_bytes, chain, data))} if prefetch and chain else {}
     prefix = np.full(n_bytes + 1, -math.inf)
     prefix[0] = 0.0
     dropped = np.full(n_bytes + 1, -math.inf)
     frontier: dict[int, dict[tuple[int, ...], float]] = {0: {(): 0.0}}
-    floor = math.log(keep) if keep > 0 else -math.inf
     read = 0
     for i in range(n_bytes):
         cands = frontier.pop(i, None)
@@ -155,9 +197,12 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
             continue
         kept = _prune(cands, prefix[i] + floor, width, dropped, i, prefix[i])
         lo, hi = first[i]
-        missing = [h for h, _ in kept if h not in cache]
-        if missing:
-            cache.update(zip(missing, take([start + list(h) for h in missing], [tokens.order[lo:hi]] * len(missing))))
+        if i in at_chain:  # a kept history off the paths read, where a chain token starts: the chain's rest follows it
+            for h, lp in kept:
+                if h not in cache:
+                    reads.path(h, lp, i, chain[at_chain[i]:at_chain[i] + reads.window])
+                    reads.window = min(2 * reads.window, LOOK)
+        reads.read([h for h, _ in kept], [i] * len(kept))
         for h, lp in kept:
             entries = cache.pop(h)
             read += 1
@@ -174,6 +219,42 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
     return score
 
 
+def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends: list[int], lps: np.ndarray,
+              cache: dict[tuple[int, ...], np.ndarray], first: list[tuple[int, int]], floor: float,
+              width: int | None) -> dict[tuple[int, ...], int]:
+    """The histories one token off a path (``pre[j] + (v,)``, ``v`` not its next token; ``pre[j]`` at
+    boundary ``ends[j]`` with log-probability ``lps[j]``) that pruning could keep, each with its
+    boundary: ``v`` must hold at least ``keep`` of ``pre[j]``'s own covers of its bytes (the prefix mass
+    there is at least those), and with ``width`` 1 beat the path's history at that boundary. Read from
+    the path's rows in ``cache``. Where the path has no boundary, the most probable of them there too
+    (``_prune`` keeps a boundary's most probable history whatever its share)."""
+    on_path = dict(zip(ends, lps))
+    out: dict[tuple[int, ...], int] = {}
+    top: dict[int, tuple[float, tuple[int, ...]]] = {}  # off the path's boundaries: the most probable one-off there
+    for h, o, lp_h in zip(pre, ends, lps):
+        lo, hi = first[o]
+        entries = cache[h]
+        p = np.exp(entries)
+        a, b, d = lo, hi, 1
+        while o + d < len(data) and a < b:
+            a, b = tokens.span(data[o:o + d], a, b)
+            if a >= b:
+                break
+            cover = math.log(max(float(p[a - lo:b - lo].sum()), 1e-300))
+            for q, v in enumerate(tokens.exact.get(data[o:o + d], ())):
+                lp = lp_h + float(entries[a - lo + q])
+                if h + (v,) in cache:
+                    continue
+                if o + d not in on_path and lp > top.get(o + d, (-math.inf, ()))[0]:
+                    top[o + d] = (lp, h + (v,))
+                if lp < lp_h + cover + floor or (width == 1 and on_path.get(o + d, -math.inf) > lp):
+                    continue
+                out[h + (v,)] = o + d
+            d += 1
+    out.update((h, at) for at, (_, h) in top.items())
+    return out
+
+
 def _smoothed(logprobs: np.ndarray, smooth: float) -> np.ndarray:
     """``log((1 − smooth) p + smooth / 257)`` of each ``log p``."""
     if smooth <= 0:
@@ -183,15 +264,15 @@ def _smoothed(logprobs: np.ndarray, smooth: float) -> np.ndarray:
 
 def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None, dropped: np.ndarray,
            i: int, mass: float) -> list[tuple[tuple[int, ...], float]]:
-    """The histories kept at boundary ``i`` (most probable first, ties by ids); the others' mass goes to
-    ``dropped[i]``. ``mass``: ``log P̂(x[:i])``; when the dropped ones would hold all of it (nothing would be
-    left to predict the next byte), the most probable is kept."""
+    """The histories kept at boundary ``i`` (most probable first, ties by ids): the most probable always
+    (the histories at a boundary are the only ones that can spell any next byte: the covers of longer
+    tokens from earlier boundaries die with the first byte that none of them has, and a tree without a
+    history at every boundary would give the rest of the text no mass), the others above ``floor``
+    (``keep`` times ``P̂(x[:i])``, ``mass``) among the ``width`` most probable; the others' mass goes
+    to ``dropped[i]``."""
     ranked = sorted(cands.items(), key=lambda kv: (-kv[1], kv[0]))
-    keep = [lp >= floor and (width is None or k < width) for k, (_, lp) in enumerate(ranked)]
+    keep = [k == 0 or (lp >= floor and (width is None or k < width)) for k, (_, lp) in enumerate(ranked)]
     gone = [lp for (_, lp), k in zip(ranked, keep) if not k]
-    if gone and not keep[0] and np.logaddexp.reduce(np.array(gone)) >= mass + math.log1p(-1e-9):
-        keep[0] = True
-        gone = gone[1:]
     if gone:
         dropped[i] = np.logaddexp.reduce(np.array(gone))
     return [hl for hl, k in zip(ranked, keep) if k]

@@ -145,6 +145,8 @@ class Combiner(ABC):
             A combiner may set it per instance from its parameters (``contrast``: only for β = 0).
         adaptive: it takes the step decision's adaptive parameters (``tokenfuse.engine.strategies``)
             besides its own: its average takes per-row weights (``weights``).
+        unit: what a step chooses: ``"piece"`` (a union entry, from ``combine``) or ``"byte"`` (the
+            ``byte`` method: the engine generates byte by byte, ``tokenfuse.engine.bytegen``).
     """
 
     name: ClassVar[str]
@@ -152,6 +154,7 @@ class Combiner(ABC):
     needs: ClassVar[str] = "full"
     exact_agreement: ClassVar[bool] = True
     adaptive: ClassVar[bool] = False
+    unit: ClassVar[str] = "piece"
     k: int = 0
 
     def __init__(self, params: BaseModel | None = None) -> None:

@@ -81,6 +81,9 @@ class Decider:
         for st in self.strategies:
             st.admit(s)
 
+    def release(self, s: OpenSequence) -> None:
+        """A sequence is closed: nothing of it is kept here (its member states are the ensemble's)."""
+
     # ------------------------------------------------------------------ members
     def forward(self, which: list[int], seqs: list[OpenSequence], *, trace_k: int = 0) -> dict[int, MemberOutput]:
         """Members ``which`` on ``seqs`` (timed as ``forward``); a top-k combiner's members give at

@@ -7,6 +7,8 @@ shared between members. Where each part lives:
 
 - ``sequence.OpenSequence``: one sequence's member states, output, stops, finishing and text out;
 - ``decide.Decider``: which members run, agreement skip, combination and choice (a ``sequence.Decision``);
+- ``bytegen.ByteDecider``: in its place for the ``byte`` method (one byte per step, the members'
+  byte-level views; no scoring of pieces);
 - ``pool.MemberPool``: the members' forward passes, in threads;
 - ``likelihood``: teacher forcing; ``timer.StageTimer``: where the time goes;
 - ``trace``: the step trace of a sequence opened with ``trace`` (nothing is recorded otherwise).
@@ -31,6 +33,7 @@ from pydantic import ValidationError
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END, UnionVocab
 from tokenfuse.combiners import Setup, get_combiner
+from tokenfuse.engine.bytegen import ByteDecider
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import Likelihood, RowMemo, score
 from tokenfuse.engine.pool import MemberPool
@@ -90,11 +93,16 @@ class Ensemble:
         self.timer = StageTimer()
         self.pool = MemberPool(self.members, parallel=options.parallel)
         self.combiner.bind(Setup(self.space, self.members, self.primary, self.align_cache))
-        self.decider = Decider(self.members, self.space, self.combiner, self.pool, self.timer, options,
-                               primary=self.primary)
-        spec = options.speculative
-        rounds = self.decider.rounds is not None  # a strategy drafting in rounds (SAFE) runs on the speculator
-        self.speculator = Speculator(self.decider, spec) if spec is not None or rounds else None
+        if self.combiner.unit == "byte":  # the ``byte`` method: one byte per step (engine.bytegen)
+            self.decider: Decider | ByteDecider = ByteDecider(self.members, self.space, self.combiner, self.pool,
+                                                              self.timer, primary=self.primary)
+            self.speculator = None
+        else:
+            self.decider = Decider(self.members, self.space, self.combiner, self.pool, self.timer, options,
+                                   primary=self.primary)
+            spec = options.speculative
+            rounds = self.decider.rounds is not None  # a strategy drafting in rounds (SAFE) runs on the speculator
+            self.speculator = Speculator(self.decider, spec) if spec is not None or rounds else None
         _open.add(self)
 
     @classmethod
@@ -175,6 +183,7 @@ class Ensemble:
 
     def close(self, s: OpenSequence) -> None:
         """Free a sequence's per-member state (caches); safe to call twice."""
+        self.decider.release(s)
         for m, st in zip(self.members, s.states):
             m.release(st)
         s.finish("cancelled")
@@ -260,6 +269,7 @@ class Ensemble:
         most likely entries there. The first piece has none (``None``); so do the next ones in the
         rare case that the rest of the prompt, tokenised alone, would be cut otherwise than within
         the whole prompt (the context then grows until it is not)."""
+        self._scores_pieces()
         codec = self.space.codecs[self.primary]
         ids = codec.encode_text(prompt)
         pieces = [codec.token_bytes[t] or b"" for t in ids]
@@ -298,12 +308,19 @@ class Ensemble:
 
     def _score(self, requests: Sequence[tuple[Prompt, str]], *, chat: bool, stepwise: bool, top: int = 0,
                memo: RowMemo | None = None) -> list[Likelihood]:
+        self._scores_pieces()
         seqs = [self.open(ctx, chat=chat, index=k) for k, (ctx, _) in enumerate(requests)]
         try:
             return score(self.decider, seqs, [cont for _, cont in requests], stepwise=stepwise, top=top, memo=memo)
         finally:
             for s in seqs:
                 self.close(s)
+
+    def _scores_pieces(self) -> None:
+        """Scoring (``loglikelihood``, ``score_prompt``) is of pieces; the ``byte`` method has none."""
+        if self.combiner.unit == "byte":
+            raise ConfigError("method: byte generates byte by byte and scores no pieces (loglikelihood, prompt "
+                              "logprobs with echo); use method gac for them, or tokenfuse score for bytes")
 
     def prompt_token_counts(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """How many ids each member (ensemble order) has for ``prompt``, as ``open`` encodes it; opens nothing."""

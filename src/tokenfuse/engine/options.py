@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tokenfuse.combiners import validate_params
+from tokenfuse.combiners import combiner_class, validate_params
 from tokenfuse.engine.strategies import check_strategies, strategy_params
 from tokenfuse.errors import ConfigError
 
@@ -38,8 +38,9 @@ class SpeculativeOptions(BaseModel):
 class EnsembleOptions(BaseModel):
     """An ensemble's options (module docstring). Attributes:
 
-    * ``method``: a registered combiner (``gac``, ``unite``, ``deepen``); ``params`` its parameters
-      and the adaptive ones (``select``, ``confidence``, ``prompt_weights``, ...);
+    * ``method``: a registered combiner (``gac``, ``unite``, ``deepen``, ``contrast``; ``byte`` generates
+      byte by byte: ``tokenfuse.engine.bytegen``); ``params`` its parameters and the adaptive ones
+      (``select``, ``confidence``, ``prompt_weights``, ...);
     * ``primary``: the primary member's name (``None``: the member with the highest ``score``, else
       the first). Greedy ties go to the piece it finds more likely; it gates ``select`` and
       segments given text into steps (likelihood scoring);
@@ -77,11 +78,21 @@ class EnsembleOptions(BaseModel):
     def _consistent(self) -> EnsembleOptions:
         try:
             validate_params(self.method, self.params, extra=strategy_params())
+            self._check_unit()
             self._check_known_members()
             check_strategies(self)
         except ConfigError as err:
             raise ValueError(str(err)) from None
         return self
+
+    def _check_unit(self) -> None:
+        """A method that chooses bytes (``byte``) has no pieces to gate or to draft."""
+        if combiner_class(self.method).unit != "byte":
+            return
+        for name, value in (("gate", self.gate), ("speculative", self.speculative)):
+            if value is not None:
+                raise ConfigError(f"{name}: not available with method {self.method} (it chooses bytes, not pieces); "
+                                  f"drop {name} or use method gac")
 
     def _check_known_members(self) -> None:
         """``check_members`` where the members are known when the options are made (a config's);

@@ -30,6 +30,13 @@ def choose(probs: torch.Tensor, sampling: Sampling, generator: torch.Generator |
     """
     if sampling.greedy or sampling.temperature < torch.finfo(probs.dtype).tiny:  # (the dtype's 0: its limit)
         return int(torch.argmax(probs))
+    return int(torch.multinomial(sampled_probs(probs, sampling), 1, generator=generator))
+
+
+def sampled_probs(probs: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution a sampling ``choose`` draws from: ``probs`` sharpened by ``1/temperature``
+    (positive), cut to the ``top_k`` most likely and to the smallest set whose mass reaches ``top_p``,
+    normalised."""
     logp = torch.log(probs.clamp_min(1e-30))
     logits = (logp - logp.max()) / sampling.temperature  # the top stays 0: no inf/nan at a tiny temperature
     logits = torch.where(probs > 0, logits, torch.full_like(logits, float("-inf")))
@@ -44,5 +51,4 @@ def choose(probs: torch.Tensor, sampling: Sampling, generator: torch.Generator |
         drop[0] = False  # and always the most likely (a top_p the dtype rounds to 0 keeps it alone)
         sorted_logits[drop] = float("-inf")
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    p = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(p, 1, generator=generator))
+    return torch.softmax(logits, dim=-1)

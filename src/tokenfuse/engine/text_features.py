@@ -48,6 +48,7 @@ from tokenfuse.members.codec import ByteCodec
 
 DEFAULT_CANDIDATES = 16
 READERS = 3  # sequence states a ``Rows.reader`` keeps: one per live branch of a byte view's tree
+DROP = 4  # ``state_reader``: a cached id a read drops costs this many ids fed (it is re-fed when its branch grows)
 
 
 @dataclass
@@ -65,8 +66,10 @@ class Rows:
     held: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @classmethod
-    def from_member(cls, member: Member) -> Rows:
-        start = member.encode_prompt("")
+    def from_member(cls, member: Member, start: Sequence[int] | None = None) -> Rows:
+        """The member's rows after ``start`` (default: its start ids, ``encode_prompt("")``; byte-level
+        generation gives a prompt's ids)."""
+        start = member.encode_prompt("") if start is None else list(start)
 
         def fn(lists: list[list[int]], ids: list[Sequence[int]] | None = None) -> list[torch.Tensor]:
             st = member.new_state(start)
@@ -80,31 +83,22 @@ class Rows:
 
         @contextlib.contextmanager
         def held() -> Iterator[Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]]]:
-            states = [member.new_state(start) for _ in range(READERS)]
-
-            def take_held(lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
-                # each list on the state whose cache shares the longest prefix with it (a branch each)
-                where = [max(range(READERS), key=lambda r: common_prefix(states[r].cached_ids(), x)) for x in lists]
-                out: list[np.ndarray | None] = [None] * len(lists)
-                for r in sorted(set(where)):
-                    mine = [j for j, w in enumerate(where) if w == r]
-                    got = positions(member, states[r], [lists[j] for j in mine], pick=[ids[j] for j in mine])
-                    for j, row in zip(mine, got):
-                        out[j] = row.numpy().astype(np.float64)
-                return out  # type: ignore[return-value]
-
-            try:
+            tree = member.tree_reader()
+            if tree is not None:  # branches in shared calls (the backend's)
+                with tree as take_tree:
+                    yield take_tree
+                return
+            with state_reader(member, start) as take_held:
                 yield take_held
-            finally:
-                for st in states:
-                    member.release(st)
 
         return cls(member.name, member.codec, start, fn, take, held)
 
     @contextlib.contextmanager
     def reader(self) -> Iterator[Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]]]:
-        """``entries`` on one sequence state kept across calls (a member's KV cache: a list that shares a
-        prefix with the last one fed re-feeds only the rest), for many small reads along one text."""
+        """``entries`` for many reads along one text (a byte view's): through the member's tree reader
+        where it has one (``Member.tree_reader``: branches off one trunk in shared calls), else on
+        sequence states kept across calls (``state_reader``: a list that shares a prefix with one fed
+        before re-feeds only the rest)."""
         if self.held is None:
             yield self.entries
             return
@@ -122,6 +116,45 @@ class Rows:
         if not lists:
             return np.zeros(0)
         return np.array([float(x[0]) for x in self.entries(lists, [[t] for t in ids])], dtype=np.float64)
+
+
+@contextlib.contextmanager
+def state_reader(member: Member, start: Sequence[int]) -> Iterator[Callable[[list[list[int]], list[Sequence[int]]],
+                                                                              list[np.ndarray]]]:
+    """``take(lists, ids)`` on up to ``READERS`` sequence states of ``member`` after ``start`` (each made
+    when first needed), kept across calls (a live branch each): each list goes to the state where it
+    costs least, the ids it must feed plus ``DROP`` times the cached ids it would drop (ties: the
+    longest shared prefix, then the first state). A list that extends one read before re-feeds only its
+    new ids; a short branch off the end of a long list crops it (re-feeding one or two ids is cheaper
+    than a state's whole prefill), and two branches that keep growing apart (byte-level generation's
+    two tokenisations of one text) end up on states of their own."""
+    states: list[SeqState | None] = [None] * READERS  # each made when a list first goes to it
+
+    def take_held(lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
+        cached = [st.cached_ids() if st is not None else [] for st in states]
+        where = []
+        for x in lists:
+            shared = [common_prefix(c, x) for c in cached]
+            r = min(range(READERS), key=lambda r: (len(x) - shared[r] + DROP * (len(cached[r]) - shared[r]),
+                                                   -shared[r], r))
+            where.append(r)
+            cached[r] = x  # what that state holds once it has read ``x``
+        out: list[np.ndarray | None] = [None] * len(lists)
+        for r in sorted(set(where)):
+            if states[r] is None:
+                states[r] = member.new_state(start)
+            mine = [j for j, w in enumerate(where) if w == r]
+            got = positions(member, states[r], [lists[j] for j in mine], pick=[ids[j] for j in mine])
+            for j, row in zip(mine, got):
+                out[j] = row.numpy().astype(np.float64)
+        return out  # type: ignore[return-value]
+
+    try:
+        yield take_held
+    finally:
+        for st in states:
+            if st is not None:
+                member.release(st)
 
 
 @dataclass

@@ -141,7 +141,7 @@ def row_names(members: Sequence[Rows]) -> list[str]:
     return [f"single:{m.name}" for m in members] + list(text_rows.ROWS)
 
 
-def _compare(row_bits: np.ndarray, best_bits: np.ndarray) -> dict:
+def compare(row_bits: np.ndarray, best_bits: np.ndarray) -> dict:
     """``gain`` = 1 − Σ row / Σ best over paired documents, its bootstrap interval and a sign-flip p-value."""
     gain = 1.0 - row_bits.sum() / best_bits.sum()
     rng = np.random.default_rng(SEED)
@@ -172,11 +172,11 @@ def aggregate(records: Sequence[dict], rows: Sequence[str], members: Sequence[st
         best_of[g] = best
         for row in rows:
             if not row.startswith("single:"):
-                out[row]["vs_best"][g] = _compare(bits[row], bits[best]) | {"best": best}
+                out[row]["vs_best"][g] = compare(bits[row], bits[best]) | {"best": best}
         if "doc-mix" in rows:
             for row in rows:
                 if row in versus_doc_mix:
-                    out[row].setdefault("vs_doc_mix", {})[g] = _compare(bits[row], bits["doc-mix"])
+                    out[row].setdefault("vs_doc_mix", {})[g] = compare(bits[row], bits["doc-mix"])
     for key in ("vs_best", "vs_doc_mix"):  # two families, each Holm-adjusted on its own
         family = [(row, g) for row in rows for g in groups if g in out[row].get(key, {})]
         adjusted = holm([out[row][key][g]["p"] for row, g in family])

@@ -23,17 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenfuse.alignment.byteview import TokenBytes, score_bytes
+from tokenfuse.alignment.byteview import KEEP, WIDTH, TokenBytes, score_bytes
 from tokenfuse.engine import byte_rows
 from tokenfuse.engine.text_features import Rows, primary_tokens
 from tokenfuse.engine.text_rows import em_weights
 from tokenfuse.eval.batches import stderr_log
-from tokenfuse.eval.text import DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, doc_key, markdown, per_domain
+from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, compare, doc_key, markdown,
+                                 per_domain)
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
 
-KEEP = 1e-2  # chosen on dev documents only (docs/benchmarks.md, "Byte-level views"): cost against bits
-WIDTH = 1
 
 
 def row_names(members: Sequence[Rows]) -> list[str]:
@@ -119,6 +118,24 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
                "dev_documents": len(dev), "test_documents": len(test),
                "seconds": _add_seconds(out, {"dev_bytes": t_dev, "test_bytes": t_test})}
     results |= aggregate(records, rows, names, versus_doc_mix=byte_rows.BYTE_ROWS)
+    results["vs_best_view"] = versus_views(records, names)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results))
+    (out / "results.md").write_text(markdown(results) + views_markdown(results["vs_best_view"]))
     return results
+
+
+def versus_views(records: Sequence[dict], names: Sequence[str]) -> dict:
+    """Each byte row against the best ``bytes:`` row pooled (a member's own byte view, the harder
+    comparison): ``compare``'s gain, interval and p-value, not Holm-adjusted (one family of three)."""
+    bits = {row: np.array([r["bits"][row] for r in records]) for row in records[0]["bits"]}
+    best = min((f"bytes:{m}" for m in names), key=lambda row: bits[row].sum())
+    return {row: compare(bits[row], bits[best]) | {"best": best} for row in byte_rows.BYTE_ROWS}
+
+
+def views_markdown(vs: dict) -> str:
+    """The lines of ``results.md`` for ``versus_views``."""
+    lines = ["", "Pooled, against the best member's own byte view:", ""]
+    for row, c in vs.items():
+        lines.append(f"- `{row}` against `{c['best']}`: {100 * c['gain']:+.2f} % "
+                     f"[{100 * c['ci'][0]:+.2f}, {100 * c['ci'][1]:+.2f}], p = {c['p']:.4g}")
+    return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ whose weights are in this process (llama.cpp, transformers): a backend implement
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -204,6 +205,13 @@ class Member(ABC):
     def new_state(self, prompt_ids: Sequence[int]) -> SeqState:
         self.check_loaded()
         return SeqState(prompt_ids=list(prompt_ids))
+
+    def tree_reader(self) -> contextlib.AbstractContextManager | None:
+        """A context manager yielding ``take(lists, ids)``: the natural-log probabilities (float64
+        arrays) of ``ids[j]`` after ``lists[j]``, for reads of many lists that branch off one longer
+        list (a byte-level view's), computed in shared calls; ``None`` (the default) where the backend
+        has none (the caller then reads through sequence states)."""
+        return None
 
     @abstractmethod
     def next_logprobs(self, states: Sequence[SeqState]) -> torch.Tensor:

@@ -80,6 +80,7 @@ with it: ``llamacpp_lib``, which also imports the library and routes its log lin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -97,6 +98,7 @@ from tokenfuse.members.llamacpp_cache import (BLOCK, COPY_MIN, LARGE, SMALL, Slo
                                                reusable_prefix, reusable_prefix_exact, start_at_a_block)
 from tokenfuse.members.llamacpp_lib import LOAD_LOCK, exact_calls_for_build, import_llama_cpp, weights_as_stored
 from tokenfuse.members.llamacpp_shared import SharedContext, put_token, resolve_multi_seq
+from tokenfuse.members.llamacpp_tree import tree_reader
 from tokenfuse.members.side_by_side import SideBySide
 
 # exact_calls' KV cache type, GGML_TYPE_BF16 (llama-cpp-python names no constant for it): keeps a
@@ -203,6 +205,14 @@ class LlamaCppMember(SharedContext, LocalMember):
             with LOAD_LOCK:
                 ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
         return Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
+
+    def tree_reader(self) -> contextlib.AbstractContextManager | None:
+        """Branches off a trunk in shared calls (``tokenfuse.members.llamacpp_tree``); none with
+        ``exact_calls`` (its calls follow the exact rules, which branches do not)."""
+        if self.exact_calls:
+            return None
+        self.check_loaded()
+        return tree_reader(self)
 
     def embedding_rows(self) -> EmbeddingRows:
         """The GGUF's ``token_embd.weight``, memory-mapped (rows dequantised on demand)."""

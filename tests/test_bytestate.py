@@ -1,0 +1,133 @@
+"""The incremental byte view (alignment/bytestate.py) against ``score_bytes`` and brute force, on the real
+tokenizers with the random models of tests/test_byteview.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from test_byteview import ALPHABET, FAMILIES, MAX_LEN, _brute_all, fake  # noqa: F401  (the fixture)
+from tokenfuse.alignment.bytestate import END_SYMBOL, ByteState, ByteTable, next_byte_sums
+from tokenfuse.alignment.byteview import TokenBytes, score_bytes
+
+PRUNINGS = [dict(keep=0.0, width=None, smooth=0.0), dict(smooth=0.0), dict(), dict(keep=0.05, width=1)]
+
+
+_TABLES: dict[int, ByteTable] = {}
+
+
+def _table(rows) -> ByteTable:
+    if id(rows.codec) not in _TABLES:
+        _TABLES[id(rows.codec)] = ByteTable(TokenBytes(rows.codec.token_bytes))
+    return _TABLES[id(rows.codec)]
+
+
+def _walk(rows, data: bytes, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """The state's log-probability of each byte of ``data`` and of the end after it, and its last
+    257-way distribution."""
+    st = ByteState(_table(rows), rows.start, rows.entries, **kw)
+    out = []
+    for b in data:
+        out.append(st.next_distribution()[b])
+        st.advance(b)
+    last = st.next_distribution()
+    return np.array(out + [last[END_SYMBOL]]), last
+
+
+def test_next_byte_sums_splits_a_span_by_its_next_byte():
+    col = np.array([-1, -1, 3, 3, 7, 255], dtype=np.int16)
+    p = np.array([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])
+    out = next_byte_sums(p, col)
+    assert out[3] == 0.1875 and out[7] == 0.03125 and out[255] == 0.015625
+    assert out.sum() == pytest.approx(p[2:].sum()) and np.count_nonzero(out) == 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prune", PRUNINGS)
+def test_the_state_is_score_bytes_byte_by_byte(fake, family, prune):
+    """Every byte's probability and the end's, as the state gives them one at a time, equal
+    ``score_bytes`` of the whole string within 1e-9 (exact, default and pruned trees, smoothed or not)."""
+    rows = fake[family]
+    tokens = _table(rows).tokens
+    for data in [b"abbab", b"ba", b"aaaab"]:
+        got, _ = _walk(rows, data, **prune)
+        want = score_bytes(data, tokens, rows.start, rows.entries, end=True, **prune)
+        np.testing.assert_allclose(got[:-1], want.logprobs, rtol=0, atol=1e-9)
+        assert math.isclose(got[-1], want.end, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prune", PRUNINGS)
+def test_the_257_outcomes_sum_to_one(fake, family, prune):
+    rows = fake[family]
+    st = ByteState(_table(rows), rows.start, rows.entries, **prune)
+    for b in b"abbaab":
+        assert abs(np.exp(st.next_distribution()).sum() - 1.0) < 1e-12
+        st.advance(b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_exact_state_is_the_brute_force(fake, family):
+    """``keep=0, width=None, smooth=0``: after each string of length < MAX_LEN, the state's probability of
+    each next byte and of the end is the brute force's (the probability that the text starts with the
+    string and that byte, or ends there, over that of the string)."""
+    rows = fake[family]
+    every, ended = _brute_all(rows)
+    for n in range(MAX_LEN):
+        for s in (bytes(c) for c in itertools.product(ALPHABET, repeat=n)):
+            st = ByteState(_table(rows), rows.start, rows.entries, keep=0.0, width=None, smooth=0.0)
+            for b in s:
+                st.advance(b)
+            q = np.exp(st.next_distribution())
+            base = every.get(s, 0.0) if s else 1.0
+            for b in ALPHABET:
+                assert math.isclose(q[b] * base, every.get(s + bytes([b]), 0.0), rel_tol=1e-9, abs_tol=1e-15)
+            assert math.isclose(q[END_SYMBOL] * base, ended.get(s, 0.0), rel_tol=1e-9, abs_tol=1e-15)
+            assert q[[c for c in range(256) if c not in ALPHABET]].sum() == 0.0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=hs.binary(min_size=1, max_size=8).map(lambda b: bytes(ALPHABET[x % 2] for x in b)),
+       keep=hs.sampled_from([0.0, 1e-3, 0.05]), width=hs.sampled_from([None, 1, 2, 3]),
+       family=hs.sampled_from(FAMILIES))
+def test_property_the_state_is_score_bytes(fake, data, keep, width, family):
+    rows = fake[family]
+    got, _ = _walk(rows, data, keep=keep, width=width)
+    want = score_bytes(data, _table(rows).tokens, rows.start, rows.entries, end=True, keep=keep, width=width)
+    np.testing.assert_allclose(got[:-1], want.logprobs, rtol=0, atol=1e-9)
+    assert math.isclose(got[-1], want.end, abs_tol=1e-9)
+
+
+def test_rows_are_read_once_and_dead_histories_go(fake):
+    """Each history's row is read once (the state reads what ``score_bytes`` reads), and after many bytes
+    the live histories are few (those whose tokens can still spell further)."""
+    rows = fake["qwen"]
+    calls = []
+
+    def take(lists, ids):
+        calls.extend(tuple(x) for x in lists)
+        return rows.entries(lists, ids)
+
+    data = b"abbabaabbbab"
+    st = ByteState(_table(rows), rows.start, take, keep=0.0, width=3)
+    for b in data:
+        st.next_distribution()
+        st.next_distribution()
+        st.advance(b)
+    st.next_distribution()
+    assert len(calls) == len(set(calls)) == st.histories
+    want = score_bytes(data, _table(rows).tokens, rows.start, rows.entries, keep=0.0, width=3, end=True)
+    assert st.histories == want.histories + sum(h.at == len(data) for h in st.live)  # and the end's rows
+    longest = max(len(b) for b in rows.codec.token_bytes if b and set(b) <= set(ALPHABET))
+    assert all(len(data) - h.at < longest for h in st.live)
+
+
+def test_a_bad_byte_is_refused(fake):
+    st = ByteState(_table(fake["gemma3"]), fake["gemma3"].start, fake["gemma3"].entries)
+    with pytest.raises(ValueError, match="byte"):
+        st.advance(256)
