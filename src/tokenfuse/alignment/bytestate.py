@@ -134,9 +134,7 @@ class ByteState:
             return
         n = len(self.data)
         if self.cands:
-            box = np.full(1, -math.inf)
-            kept = _prune(self.cands, self.prefix[n] + self.floor, self.width, box, 0, self.prefix[n])
-            self.dropped[n] = float(box[0])
+            kept, self.dropped[n] = _prune(self.cands, self.prefix[n] + self.floor, self.width)
             if kept:
                 rows = self.take([self.start + list(h) for h, _ in kept], [self.table.ids] * len(kept))
                 self.histories += len(kept)

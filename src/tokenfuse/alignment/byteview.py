@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,7 +135,6 @@ class _Reads:
         self.data, self.tokens, self.start, self.take, self.first = data, tokens, start, take, first
         self.floor, self.width, self.prefetch = floor, width, prefetch
         self.cache: dict[tuple[int, ...], np.ndarray] = {}
-        self.on_path: set[tuple[int, ...]] = set()
         self.window = 8  # chain tokens the next path off the chain reads ahead
 
     def read(self, hs: list[tuple[int, ...]], ats: list[int]) -> None:
@@ -153,7 +152,6 @@ class _Reads:
         ends = _spelled(tb, path, self.data, at)
         pre = [h + tuple(path[:k]) for k in range(len(ends))]
         self.read(pre, ends)
-        self.on_path.update(pre)
         own = np.array([self.cache[x][self.tokens.rank[path[k]] - self.first[ends[k]][0]]
                         for k, x in enumerate(pre) if k < len(path)])
         if self.prefetch:
@@ -169,8 +167,8 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
     """The member's byte-level probability of each byte of ``data`` given the bytes before it (the
     module docstring). ``chain``: the member's own tokens of ``data``, whose histories are read in one
     ``take`` first (a cache: the numbers do not depend on it). ``smooth``: each next-symbol distribution
-    mixed with the uniform one over the 256 bytes and the end at this weight (a pruned tree can leave a
-    byte no mass; exact with 0). ``end``: also ``p(end | data)``. ``prefetch``: with ``chain``, the
+    mixed with the uniform one over the 256 bytes and the end at this weight (a byte that no token of the
+    member starts with has no mass otherwise; exact with 0). ``end``: also ``p(end | data)``. ``prefetch``: with ``chain``, the
     histories one token off it that can be kept (``_branches``) are read in one more ``take`` (a
     backend's shared calls; a cache again), and where a kept history that was not read yet stands at
     a boundary of the chain, the chain's next tokens after it are read ahead the same way (``window``
@@ -195,7 +193,7 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
         cands = frontier.pop(i, None)
         if not cands:
             continue
-        kept = _prune(cands, prefix[i] + floor, width, dropped, i, prefix[i])
+        kept, dropped[i] = _prune(cands, prefix[i] + floor, width)
         lo, hi = first[i]
         if i in at_chain:  # a kept history off the paths read, where a chain token starts: the chain's rest follows it
             for h, lp in kept:
@@ -235,11 +233,7 @@ def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends:
         lo, hi = first[o]
         entries = cache[h]
         p = np.exp(entries)
-        a, b, d = lo, hi, 1
-        while o + d < len(data) and a < b:
-            a, b = tokens.span(data[o:o + d], a, b)
-            if a >= b:
-                break
+        for d, a, b in _spans(data, o, lo, hi, tokens, len(data) - 1):
             cover = math.log(max(float(p[a - lo:b - lo].sum()), 1e-300))
             for q, v in enumerate(tokens.exact.get(data[o:o + d], ())):
                 lp = lp_h + float(entries[a - lo + q])
@@ -250,7 +244,6 @@ def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends:
                 if lp < lp_h + cover + floor or (width == 1 and on_path.get(o + d, -math.inf) > lp):
                     continue
                 out[h + (v,)] = o + d
-            d += 1
     out.update((h, at) for at, (_, h) in top.items())
     return out
 
@@ -262,20 +255,30 @@ def _smoothed(logprobs: np.ndarray, smooth: float) -> np.ndarray:
     return np.logaddexp(math.log1p(-smooth) + logprobs, math.log(smooth / 257))
 
 
-def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None, dropped: np.ndarray,
-           i: int, mass: float) -> list[tuple[tuple[int, ...], float]]:
-    """The histories kept at boundary ``i`` (most probable first, ties by ids): the most probable always
-    (the histories at a boundary are the only ones that can spell any next byte: the covers of longer
-    tokens from earlier boundaries die with the first byte that none of them has, and a tree without a
-    history at every boundary would give the rest of the text no mass), the others above ``floor``
-    (``keep`` times ``P̂(x[:i])``, ``mass``) among the ``width`` most probable; the others' mass goes
-    to ``dropped[i]``."""
+def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None
+           ) -> tuple[list[tuple[tuple[int, ...], float]], float]:
+    """The histories kept at a boundary (most probable first, ties by ids) and the log-mass of the
+    others (``-inf``: none dropped). The most probable always stays (the histories at a boundary are
+    the only ones that can spell any next byte: the covers of longer tokens from earlier boundaries
+    die with the first byte that none of them has, and a tree without a history at every boundary
+    would give the rest of the text no mass); the others stay above ``floor`` (``keep`` times
+    ``P̂(x[:i])``) among the ``width`` most probable."""
     ranked = sorted(cands.items(), key=lambda kv: (-kv[1], kv[0]))
     keep = [k == 0 or (lp >= floor and (width is None or k < width)) for k, (_, lp) in enumerate(ranked)]
     gone = [lp for (_, lp), k in zip(ranked, keep) if not k]
-    if gone:
-        dropped[i] = np.logaddexp.reduce(np.array(gone))
-    return [hl for hl, k in zip(ranked, keep) if k]
+    return [hl for hl, k in zip(ranked, keep) if k], float(np.logaddexp.reduce(np.array(gone))) if gone else -math.inf
+
+
+def _spans(data: bytes, i: int, lo: int, hi: int, tokens: TokenBytes, stop: int) -> Iterator[tuple[int, int, int]]:
+    """``(d, a, b)`` for ``d = 1, 2, …`` while ``i + d <= stop``: the span ``[a, b)`` of the tokens (within
+    ``[lo, hi)``) that start with ``data[i:i + d]``, as long as some do."""
+    a, b, d = lo, hi, 1
+    while i + d <= stop and a < b:
+        a, b = tokens.span(data[i:i + d], a, b)
+        if a >= b:
+            return
+        yield d, a, b
+        d += 1
 
 
 def _grow(data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarray, lo: int, hi: int,
@@ -284,17 +287,12 @@ def _grow(data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarra
     tokens at ``tokens.sorted[lo:hi]``, those starting with ``data[i]``): its covers of every longer prefix,
     and the histories it makes."""
     p = np.exp(entries)
-    a, b, d = lo, hi, 1
-    while i + d <= len(data) and a < b:
-        a, b = tokens.span(data[i:i + d], a, b)
-        if a >= b:
-            break
+    for d, a, b in _spans(data, i, lo, hi, tokens, len(data)):
         mass = float(p[a - lo:b - lo].sum())
         if mass > 0:
             _logaddexp_at(prefix, i + d, lp + math.log(mass))
         for q, t in enumerate(tokens.exact.get(data[i:i + d], ())):  # they sort first in the span
             frontier.setdefault(i + d, {})[h + (t,)] = lp + float(entries[a - lo + q])
-        d += 1
 
 
 def _end_logprob(data: bytes, tokens: TokenBytes, start: list[int], take: Take,
@@ -304,9 +302,7 @@ def _end_logprob(data: bytes, tokens: TokenBytes, start: list[int], take: Take,
     n = len(data)
     if not cands:
         return -math.inf
-    kept = _prune(cands, prefix[n] + floor, width, dropped, n, prefix[n])
-    if not kept:
-        return -math.inf
+    kept, dropped[n] = _prune(cands, prefix[n] + floor, width)
     rows = take([start + list(h) for h, _ in kept], [tokens.other] * len(kept))  # read, not 1 − the text's mass
     ends = [lp + (float(np.logaddexp.reduce(r)) if len(r) else -math.inf) for (_, lp), r in zip(kept, rows)]
     return float(np.logaddexp.reduce(np.array(ends)) - _logsubexp(prefix[n], dropped[n]))

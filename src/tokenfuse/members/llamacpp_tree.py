@@ -1,17 +1,18 @@
 """Rows after many id lists that branch off one trunk, on the llama.cpp member (``LlamaCppMember.tree_reader``).
 
 A byte-level view (alignment/byteview.py) reads the member's rows after its own tokens of a text (the
-trunk) and after many short branches off it: a prefix of the trunk and one or a few other ids. Fed one
-by one, each branch is a decode call of its own that crops and re-feeds a cache. Here the trunk stays
-in sequence 0 of a context with one KV cache for all its sequences (``kv_unified``), and the branches
-go in shared calls: each branch gets a sequence id of its own, the trunk's cells below its branch
-point are tagged with that id too (``llama_memory_seq_cp``: no copy) and its own ids are decoded
-with every other branch's in one batch; afterwards its id is removed again. A list whose ids all lie
-on the trunk is a branch of its last id.
+trunk) and after many branches one id off it. Fed one by one, each branch is a decode call of its own
+that crops and re-feeds a cache. Here the trunk stays in sequence 0 of a context with one KV cache for
+all its sequences (``kv_unified``), and the branches go in one call: each gets a sequence id of its
+own, the trunk's cells below its branch point are tagged with that id too (``llama_memory_seq_cp``: no
+copy) and its id is decoded with every other branch's; afterwards the ids are removed again. A list
+whose ids all lie on the trunk is a branch of its last id; a list that extends the trunk, or leaves it
+by more than one id, becomes the trunk (fed after the cells it shares with the old one).
 
-The numbers are the member's rows as a batched call computes them: they differ from a one-by-one
-call's in the last bits (llama.cpp's kernels depend on a call's shape; measured within 1e-4 in a
-log-probability, tests/test_llamacpp_tree.py).
+The numbers are the member's rows as these calls compute them. llama.cpp's kernels depend on a call's
+size: a row computed with others differs from the same row in a call of its own by up to 0.065 in
+total variation on the bundled files (a branch alone in its call gives that call's numbers bit for
+bit; tests/test_llamacpp_tree.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tokenfuse.members.llamacpp_cache import Slot
 from tokenfuse.members.llamacpp_lib import LOAD_LOCK
 from tokenfuse.members.llamacpp_shared import put_token
 
-BRANCHES = 63  # sequence ids for branches in one call (llama.cpp allows 256 sequences)
+BRANCHES = 63  # sequence ids for branches in one call (llama.cpp allows 256 sequences; below n_batch)
 
 
 class TreeReader:
@@ -53,10 +54,9 @@ class TreeReader:
     def take(self, lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
         self.member._threads_on(self.slot)
         out: list[np.ndarray | None] = [None] * len(lists)
-        far = [x for x in lists if self._reroots(x)]
-        if far:
-            out = self._reroot(max(far, key=len), lists, ids, out)
-        todo = [j for j, o in enumerate(out) if o is None]
+        while far := [x for x, o in zip(lists, out) if o is None and self._reroots(x)]:
+            self._reroot(max(far, key=len), lists, ids, out)
+        todo = [j for j, o in enumerate(out) if o is None]  # each now one id off the trunk
         for k in range(0, len(todo), BRANCHES):
             self._branches(todo[k:k + BRANCHES], lists, ids, out)
         return out  # type: ignore[return-value]
@@ -67,16 +67,19 @@ class TreeReader:
         return len(x) - common > 1 or (common == len(self.trunk) and len(x) > common)
 
     def _reroot(self, root: list[int], lists: list[list[int]], ids: list[Sequence[int]],
-                out: list[np.ndarray | None]) -> list[np.ndarray | None]:
-        """Make ``root`` the trunk (its common prefix with the old one kept), keeping the rows of the
-        lists that are prefixes of it and end past that prefix."""
+                out: list[np.ndarray | None]) -> None:
+        """Make ``root`` the trunk (its common prefix with the old one kept), with the rows of the lists
+        that are prefixes of it and end past that prefix."""
         ctx, b = self.slot.ctx, self.slot.batch.batch
         keep = common_prefix(self.trunk, root)
         if len(root) > self.member.context_length:
             raise ValueError(f"member {self.member.name!r}: {len(root)} ids do not fit its context "
                              f"({self.member.context_length})")
         ctx.kv_cache_seq_rm(0, keep, -1)
-        want = {len(x) - 1: j for j, x in enumerate(lists) if keep < len(x) <= len(root) and root[: len(x)] == x}
+        want: dict[int, list[int]] = {}  # position -> the lists ending after it
+        for j, x in enumerate(lists):
+            if keep < len(x) <= len(root) and root[: len(x)] == x:
+                want.setdefault(len(x) - 1, []).append(j)
         for start in range(keep, len(root), self.member.n_batch):
             stop = min(len(root), start + self.member.n_batch)
             for i, pos in enumerate(range(start, stop)):
@@ -85,46 +88,27 @@ class TreeReader:
             b.n_tokens = stop - start
             ctx.decode(self.slot.batch)
             for pos in range(start, stop):
-                if pos in want:
-                    j = want[pos]
+                for j in want.get(pos, ()):
                     out[j] = self._row(ctx, pos - start, ids[j])
         self.trunk = list(root)
-        for j, x in enumerate(lists):  # lists with the same ids share the row
-            if out[j] is None and keep < len(x) <= len(root) and root[: len(x)] == x:
-                out[j] = out[want[len(x) - 1]]
-        return out
 
     def _branches(self, js: list[int], lists: list[list[int]], ids: list[Sequence[int]],
                   out: list[np.ndarray | None]) -> None:
-        """The rows of ``lists[j]`` for ``j`` in ``js`` (at most ``BRANCHES``), as branches off the trunk,
-        in calls of at most ``n_batch`` ids."""
+        """The rows of ``lists[j]`` for ``j`` in ``js`` (at most ``BRANCHES``, each one id off the trunk:
+        a prefix of it and one more id, or a prefix of it whose last id is decoded again), in one call."""
         ctx, b = self.slot.ctx, self.slot.batch.batch
-        room = self.member.n_batch
-        queue = []
-        for j in js:
+        for k, j in enumerate(js):
             x = lists[j]
-            at = min(common_prefix(self.trunk, x), len(x) - 1)
-            queue.append((j, at, x[at:]))
-        while queue:
-            used, last, seqs, rest = 0, {}, 0, []
-            for j, at, tail in queue:
-                if used + len(tail) > room and used:
-                    rest.append((j, at, tail))
-                    continue
-                seqs += 1
-                ctx.kv_cache_seq_cp(0, seqs, 0, at)
-                for i, tok in enumerate(tail[:room]):
-                    put_token(b, used, tok, at + i, seqs)
-                    used += 1
-                b.logits[used - 1] = True
-                last[j] = used - 1
-            b.n_tokens = used
-            ctx.decode(self.slot.batch)
-            for j, i in last.items():
-                out[j] = self._row(ctx, i, ids[j])
-            for s in range(1, seqs + 1):
-                ctx.kv_cache_seq_rm(s, -1, -1)
-            queue = rest
+            at = len(x) - 1
+            ctx.kv_cache_seq_cp(0, k + 1, 0, at)
+            put_token(b, k, x[at], at, k + 1)
+            b.logits[k] = True
+        b.n_tokens = len(js)
+        ctx.decode(self.slot.batch)
+        for k, j in enumerate(js):
+            out[j] = self._row(ctx, k, ids[j])
+        for k in range(len(js)):
+            ctx.kv_cache_seq_rm(k + 1, -1, -1)
 
     def _row(self, ctx: Any, i: int, ids: Sequence[int]) -> np.ndarray:
         return self.member._logprobs(ctx, i, torch.as_tensor(ids, dtype=torch.long)).numpy().astype(np.float64)
