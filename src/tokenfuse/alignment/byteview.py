@@ -136,6 +136,7 @@ class _Reads:
         self.floor, self.width, self.prefetch = floor, width, prefetch
         self.cache: dict[tuple[int, ...], np.ndarray] = {}
         self.window = 8  # chain tokens the next path off the chain reads ahead
+        self.ahead: list[tuple[int, ...]] = []  # the histories the last such path read
 
     def read(self, hs: list[tuple[int, ...]], ats: list[int]) -> None:
         """The rows of the histories ``hs`` not read yet (``ats``: their boundaries)."""
@@ -144,6 +145,16 @@ class _Reads:
             rows = self.take([self.start + list(h) for h, _ in todo],
                              [self.tokens.order[slice(*self.first[at])] for _, at in todo])
             self.cache.update(zip((h for h, _ in todo), rows))
+
+    def follow(self, h: tuple[int, ...], lp: float, at: int, path: Sequence[int]) -> None:
+        """The first ``window`` tokens of ``path`` after a history off the chain: the window doubles (up
+        to ``LOOK``) while the last such path's histories were all used, and falls back to 8 when they
+        were not (reading ahead past where the tree leaves a path reads rows no boundary keeps)."""
+        if self.ahead:
+            used = all(x not in self.cache for x in self.ahead)
+            self.window = min(2 * self.window, LOOK) if used else 8
+        self.path(h, lp, at, path[: self.window])
+        self.ahead = [h + tuple(path[:k]) for k in range(min(len(path), self.window))]
 
     def path(self, h: tuple[int, ...], lp: float, at: int, path: Sequence[int]) -> np.ndarray:
         """Read ``h + path[:k]`` for each ``k`` that ends before the data does (``h``: log-probability
@@ -172,7 +183,7 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
     histories one token off it that can be kept (``_branches``) are read in one more ``take`` (a
     backend's shared calls; a cache again), and where a kept history that was not read yet stands at
     a boundary of the chain, the chain's next tokens after it are read ahead the same way (``window``
-    of them, doubling each time up to ``LOOK``): a member's best history can leave its own tokens and
+    of them: ``_Reads.follow``): a member's best history can leave its own tokens and
     follow them again shifted (`` Reason`` + ``ing`` for `` Reasoning``)."""
     n_bytes = len(data)
     if n_bytes == 0 and not end:
@@ -198,8 +209,7 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
         if i in at_chain:  # a kept history off the paths read, where a chain token starts: the chain's rest follows it
             for h, lp in kept:
                 if h not in cache:
-                    reads.path(h, lp, i, chain[at_chain[i]:at_chain[i] + reads.window])
-                    reads.window = min(2 * reads.window, LOOK)
+                    reads.follow(h, lp, i, chain[at_chain[i]:at_chain[i] + LOOK])
         reads.read([h for h, _ in kept], [i] * len(kept))
         for h, lp in kept:
             entries = cache.pop(h)
