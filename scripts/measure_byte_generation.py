@@ -5,7 +5,7 @@ pieces; each time is the whole call over the bytes it produced, the second of tw
 (so both find the prompt in the members' prefix caches alike). Prints each prompt's figures, the
 median over the prompts of each method's seconds per byte and of their ratio, and the ``byte``
 method's member rows read per byte (GaC reads one per member per piece). ``--width``, ``--keep``: the
-byte views' pruning (default: byteview's).
+byte views' pruning (default: the byte method's); ``--top``: the top rule instead of the reserve.
 
     .venv/bin/python scripts/measure_byte_generation.py [--bytes 200] [--json out.json]
 
@@ -46,9 +46,12 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--keep", type=float, default=None)
+    ap.add_argument("--top", action="store_true", help="the top rule for the pruned mass (the text-bytes run's)")
     args = ap.parse_args()
     gac = load_ensemble(config_from_models(",".join(DEFAULT_ENSEMBLE)), progress=False)
     params = {k: v for k, v in (("width", args.width), ("keep", args.keep)) if v is not None}
+    if args.top:
+        params["reserve"] = False
     byte = gac.variant(gac.options.replace(method="byte", params=params))
     rows = []
     for prompt in PROMPTS:
@@ -71,7 +74,7 @@ def main() -> None:
           f"ms/byte, ratio {summary['ratio']:.2f}, {summary['byte_rows_per_byte']:.2f} rows/byte")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"prompts": rows, "median": summary}, f, indent=1)
+            json.dump({"params": byte.options.params, "prompts": rows, "median": summary}, f, indent=1)
     gac.unload()
 
 

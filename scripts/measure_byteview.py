@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a member's byte-level view (alignment/byteview.py) costs and leaves out on real text, per bundled
 member on llama.cpp: DEV documents only (the first ``--docs`` of each domain, their first ``--bytes``
-bytes), for each pruning setting: bits per byte of the view against the member's own tokens, rows read
+bytes), for each pruning setting and rule for the pruned mass (top, reserve): bits per byte of the view against the member's own tokens, rows read
 per byte, the largest share of a boundary's mass pruning left out, and seconds against the member's own
 scoring of its tokens (one run, every position's row: ``single_logprobs``), read two ways: through the
 member's tree reader with reading ahead (the default) and through sequence states without it (every row
@@ -30,7 +30,7 @@ from tokenfuse.eval.text import per_domain, single_logprobs
 from tokenfuse.load import load_member
 from tokenfuse.tasks.text import load_documents
 
-SETTINGS = ((1e-2, 1),)
+SETTINGS = ((1e-2, 1, False), (1e-2, 1, True))  # keep, width, reserve
 
 
 def cut(text: str, n: int) -> str:
@@ -65,21 +65,24 @@ def measure(source: str, texts: list[str], states: bool) -> dict:
         out = {"member": source, "bytes": nbytes, "own_bpb": -own / math.log(2) / nbytes, "own_s": own_s,
                "settings": []}
         readers = [("tree", rows, True)] + ([("states", Rows.from_member(_NoTree(m)), False)] if states else [])
-        for (keep, width), (how, reader, ahead) in ((kw, r) for kw in SETTINGS for r in readers):
+        for (keep, width, reserve), (how, reader, ahead) in ((kw, r) for kw in SETTINGS for r in readers):
             t0 = time.perf_counter()
             lp, read, pruned = 0.0, 0, 0.0
             for t in texts:
                 with reader.reader() as take:
                     s = score_bytes(t.encode("utf-8"), tokens, rows.start, take,
-                                    chain=primary_tokens(m.codec, t), keep=keep, width=width, prefetch=ahead)
+                                    chain=primary_tokens(m.codec, t), keep=keep, width=width, prefetch=ahead,
+                                    reserve=reserve)
                 lp += float(s.logprobs.sum())
                 read += s.histories
                 pruned = max(pruned, s.pruned)
             sec = time.perf_counter() - t0
-            out["settings"].append({"keep": keep, "width": width, "reader": how, "bpb": -lp / math.log(2) / nbytes,
+            rule = "reserve" if reserve else "top"
+            out["settings"].append({"keep": keep, "width": width, "rule": rule, "reader": how,
+                                    "bpb": -lp / math.log(2) / nbytes,
                                     "rows_per_byte": read / nbytes, "pruned": pruned, "s": sec,
                                     "vs_own": sec / own_s})
-            print(f"{source}: keep {keep:g} width {width}, {how}: {out['settings'][-1]['bpb']:.4f} bpb "
+            print(f"{source}: keep {keep:g} width {width} {rule}, {how}: {out['settings'][-1]['bpb']:.4f} bpb "
                   f"(own tokens {out['own_bpb']:.4f}), {read / nbytes:.2f} rows/byte, pruned <= {pruned:.2e}, "
                   f"{sec:.1f} s = {sec / own_s:.2f}x its own scoring ({own_s:.1f} s)", flush=True)
         return out

@@ -15,7 +15,8 @@ from test_byteview import ALPHABET, FAMILIES, MAX_LEN, _brute_all, fake  # noqa:
 from tokenfuse.alignment.bytestate import END_SYMBOL, ByteState, ByteTable, next_byte_sums
 from tokenfuse.alignment.byteview import TokenBytes, score_bytes
 
-PRUNINGS = [dict(keep=0.0, width=None, smooth=0.0), dict(smooth=0.0), dict(), dict(keep=0.05, width=1)]
+PRUNINGS = [dict(keep=0.0, width=None, smooth=0.0), dict(smooth=0.0), dict(), dict(keep=0.05, width=1),
+            dict(reserve=True), dict(keep=0.05, width=1, smooth=0.0, reserve=True)]
 
 
 _TABLES: dict[int, ByteTable] = {}
@@ -54,7 +55,7 @@ def test_the_state_is_score_bytes_byte_by_byte(fake, family, prune):
     ``score_bytes`` of the whole string within 1e-9 (exact, default and pruned trees, smoothed or not)."""
     rows = fake[family]
     tokens = _table(rows).tokens
-    for data in [b"abbab", b"ba", b"aaaab"]:
+    for data in [b"abbab", b"ba", b"aaaab", b"abzab"]:  # z: a byte the model never spells (the reserve re-seeds)
         got, _ = _walk(rows, data, **prune)
         want = score_bytes(data, tokens, rows.start, rows.entries, end=True, **prune)
         np.testing.assert_allclose(got[:-1], want.logprobs, rtol=0, atol=1e-9)
@@ -94,11 +95,12 @@ def test_the_exact_state_is_the_brute_force(fake, family):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=hs.binary(min_size=1, max_size=8).map(lambda b: bytes(ALPHABET[x % 2] for x in b)),
        keep=hs.sampled_from([0.0, 1e-3, 0.05]), width=hs.sampled_from([None, 1, 2, 3]),
-       family=hs.sampled_from(FAMILIES))
-def test_property_the_state_is_score_bytes(fake, data, keep, width, family):
+       reserve=hs.booleans(), family=hs.sampled_from(FAMILIES))
+def test_property_the_state_is_score_bytes(fake, data, keep, width, reserve, family):
     rows = fake[family]
-    got, _ = _walk(rows, data, keep=keep, width=width)
-    want = score_bytes(data, _table(rows).tokens, rows.start, rows.entries, end=True, keep=keep, width=width)
+    got, _ = _walk(rows, data, keep=keep, width=width, reserve=reserve)
+    want = score_bytes(data, _table(rows).tokens, rows.start, rows.entries, end=True, keep=keep, width=width,
+                       reserve=reserve)
     np.testing.assert_allclose(got[:-1], want.logprobs, rtol=0, atol=1e-9)
     assert math.isclose(got[-1], want.end, abs_tol=1e-9)
 

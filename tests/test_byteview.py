@@ -144,6 +144,39 @@ def test_every_view_is_a_distribution_over_byte_strings(fake, family, prune):
         assert abs(total - 1.0) < 1e-9, (n, total)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prune", [dict(smooth=0.0, reserve=True), dict(keep=0.05, width=1, smooth=0.0, reserve=True)])
+def test_every_reserve_view_is_a_distribution(fake, family, prune):
+    """The reserve rule gives every one of the 257 outcomes a share: after each string of length < 4
+    over the alphabet and after one with a byte the model never spells, the next byte's probabilities
+    over all 256 bytes and the end's sum to 1."""
+    rows = fake[family]
+    for s in [x for n in range(4) for x in _strings(n)] + [b"abzb"]:
+        total = math.exp(_view(rows, s, **prune).end)
+        total += sum(math.exp(_view(rows, s + bytes([c]), **prune).logprobs[-1]) for c in range(256))
+        assert abs(total - 1.0) < 1e-9, (s, total)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_reserve_gives_a_byte_no_kept_history_spells_a_share_and_reseeds(fake, family):
+    """``z`` is a byte the random model never spells: under the reserve rule its probability is the
+    reserve's ``1/257`` share, and after it the re-seeded history predicts the alphabet as the model
+    does (well above the reserve's ``1/257``); exact (nothing dropped, no reserve), ``z`` has no mass."""
+    rows = fake[family]
+    v = _view(rows, b"abzab", keep=0.05, width=1, smooth=0.0, reserve=True)
+    assert np.all(np.isfinite(v.logprobs)) and v.logprobs[2] < -math.log(257)
+    assert np.all(v.logprobs[3:] > -math.log(257) + 2)
+    assert _view(rows, b"abzab", keep=0.0, width=None, smooth=0.0, reserve=True).logprobs[2] == -math.inf
+
+
+def test_the_reserve_reads_fewer_rows_than_the_top_rule(fake):
+    rows = fake["qwen"]
+    s = b"abbabaabba"
+    top, res = _view(rows, s, keep=0.05, width=1), _view(rows, s, keep=0.05, width=1, reserve=True)
+    assert res.histories < top.histories == len(s)  # the top rule: a row at every boundary
+    assert np.all(np.isfinite(res.logprobs))
+
+
 def test_pruning_reports_what_it_left_out_and_reads_fewer_rows(fake):
     rows = fake["qwen"]
     s = b"abba"

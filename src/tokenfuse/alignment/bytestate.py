@@ -10,15 +10,18 @@ are that module's, to the rounding): after the bytes ``x`` so far it holds
   nothing longer than ``x[j:]`` is dropped;
 - the candidates at boundary ``|x|`` (histories spelling all of ``x``, made by the live ones' tokens
   that end exactly there), pruned and read when the next symbol's distribution is first asked for;
-- the prefix masses ``log P̂(x[:i])`` and the dropped masses ``log D_i`` of every boundary so far.
+- the reserve (``byteview.Reserve``: with the reserve rule, the mass pruning dropped and where it
+  re-seeds from);
+- the kept histories' covers ``log C(x[:i])``, the prefix masses ``log P̂(x[:i])`` (the covers and the
+  reserve's share) and the masses left out ``log D_i`` (the top rule) of every boundary so far.
 
 ``next_distribution()`` gives the 257 natural-log probabilities of the next symbol (bytes 0..255 and
-``END_SYMBOL``): ``p(b | x) = P̂(xb) / (P̂(x) − D_n)`` with ``P̂(xb)`` summed over the live histories'
-tokens that start with ``x[j:] + b``, and ``p(end | x)`` the kept histories at ``|x|`` times their mass
-on ids that are not text; they sum to 1 (smoothed: ``(1 − smooth) p + smooth / 257``). So the
-probability the state gives a byte string, symbol by symbol, is ``score_bytes``'s. ``advance(b)``
-appends one byte. Once a prefix has probability 0 (only a smoothed byte reaches it) every later
-symbol gets ``smooth / 257``, as in ``score_bytes``.
+``END_SYMBOL``): ``p(b | x) = (C(xb) + R / 257) / (P̂(x) − D_n)`` with ``C(xb)`` summed over the live
+histories' tokens that start with ``x[j:] + b``, and ``p(end | x)`` the kept histories at ``|x|`` times
+their mass on ids that are not text (and the reserve's ``1/257``); they sum to 1 (smoothed: ``(1 −
+smooth) p + smooth / 257``). So the probability the state gives a byte string, symbol by symbol, is
+``score_bytes``'s. ``advance(b)`` appends one byte. Once a prefix has probability 0 (only a smoothed
+byte reaches it) every later symbol gets ``smooth / 257``, as in ``score_bytes``.
 
 Rows are read through ``take(lists, ids)`` (``byteview.Take``), whole (every text token, then the
 ids that are not text), one call per boundary for the histories kept there.
@@ -31,7 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenfuse.alignment.byteview import KEEP, SMOOTH, WIDTH, Take, TokenBytes, _logsubexp, _prune, _smoothed
+from tokenfuse.alignment.byteview import (KEEP, LOG257, SMOOTH, WIDTH, Reserve, Take, TokenBytes, _logsubexp, _smoothed,
+                                          boundary)
 
 END_SYMBOL = 256  # the index of the end of the text among the 257 outcomes
 DEPTH = 16  # ``ByteTable`` keeps the first this many bytes of every token as columns
@@ -103,18 +107,20 @@ class ByteState:
         table: the member's ``ByteTable``.
         start: the ids every history follows (the start ids, or a prompt's ids).
         take: the member's rows (``byteview.Take``).
-        keep, width, smooth: the pruning and smoothing of ``score_bytes``.
+        keep, width, smooth, reserve: the pruning, smoothing and rule of ``score_bytes``.
     """
 
     def __init__(self, table: ByteTable, start: Sequence[int], take: Take, *, keep: float = KEEP,
-                 width: int | None = WIDTH, smooth: float = SMOOTH) -> None:
+                 width: int | None = WIDTH, smooth: float = SMOOTH, reserve: bool = False) -> None:
         self.table, self.tokens = table, table.tokens
         self.start, self.take = list(start), take
         self.width, self.smooth = width, smooth
         self.floor = math.log(keep) if keep > 0 else -math.inf
         self.data = bytearray()
-        self.prefix = [0.0]  # log P̂(x[:i]) for every boundary so far
-        self.dropped = [-math.inf]  # log D_i: the mass pruned at boundary i
+        self.covered = [0.0]  # log C(x[:i]): the kept histories' covers, for every boundary so far
+        self.prefix = [0.0]  # log P̂(x[:i]): and the reserve's share
+        self.lost = [-math.inf]  # log D_i: the mass left out at boundary i (the top rule)
+        self.reserve = Reserve(reserve)
         self.live: list[_History] = []
         self.cands: dict[tuple[int, ...], float] = {(): 0.0}  # at boundary len(data), not yet pruned
         self.settled = False
@@ -126,15 +132,16 @@ class ByteState:
     @property
     def pending(self) -> bool:
         """The next ``next_distribution`` reads rows first (candidates at this boundary not yet pruned)."""
-        return not self.settled and bool(self.cands)
+        return not self.settled and (bool(self.cands) or (self.covered[-1] == -math.inf < self.reserve.lp))
 
     def _settle(self) -> None:
         """Prune the candidates at the current boundary and read the kept ones' rows."""
         if self.settled:
             return
         n = len(self.data)
-        if self.cands:
-            kept, self.dropped[n] = _prune(self.cands, self.prefix[n] + self.floor, self.width)
+        if self.prefix[n] > -math.inf:
+            kept, _, self.lost[n] = boundary(self.cands, self.covered[n], self.prefix[n], n, self.floor, self.width,
+                                             self.reserve, self.tokens, bytes(self.data))
             if kept:
                 rows = self.take([self.start + list(h) for h, _ in kept], [self.table.ids] * len(kept))
                 self.histories += len(kept)
@@ -150,7 +157,7 @@ class ByteState:
         mass = self.prefix[n]
         if mass == -math.inf:
             return _smoothed(np.full(257, -math.inf), self.smooth)
-        acc = np.zeros(257)
+        acc = np.full(257, math.exp(self.reserve.lp - LOG257 - mass))
         for h in self.live:
             w = math.exp(h.lp - mass)
             d = n - h.at
@@ -158,7 +165,7 @@ class ByteState:
             if d == 0:
                 acc[END_SYMBOL] += w * h.end
         with np.errstate(divide="ignore"):
-            out = np.log(acc) - (_logsubexp(mass, self.dropped[n]) - mass)
+            out = np.log(acc) - (_logsubexp(mass, self.lost[n]) - mass)
         return _smoothed(out, self.smooth)
 
     def advance(self, byte: int) -> None:
@@ -186,7 +193,8 @@ class ByteState:
                 h.narrow(a, b)
                 live.append(h)
         self.live = live
-        self.prefix.append(float(np.logaddexp.reduce(np.array(covers))) if covers else -math.inf)
-        self.dropped.append(-math.inf)
+        self.covered.append(float(np.logaddexp.reduce(np.array(covers))) if covers else -math.inf)
+        self.prefix.append(float(np.logaddexp(self.covered[-1], self.reserve.step())))
+        self.lost.append(-math.inf)
         self.cands = cands
         self.settled = False  # the new boundary is pruned when it is first asked for

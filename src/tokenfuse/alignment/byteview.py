@@ -22,13 +22,26 @@ starting with the byte ``x[i]`` are read (``take``: the backend gathers them whe
 
 ``keep = 0`` and ``width = None`` are exact (every history; exponential in the length, for tests and
 short strings). By default the tree is pruned at each boundary: a history is dropped when its
-probability is below ``keep`` times ``P(x[:i])`` or it is not among the ``width`` most probable there
-(the most probable always stays: ``_prune``). A
-pruned view stays a distribution: ``p(x[n] | x[:n]) = P̂(x[:n+1]) / (P̂(x[:n]) − D_n)``, with ``P̂`` the
-kept histories' covers and ``D_n`` the mass of the histories dropped at boundary ``n`` (exactly what the
-257 outcomes' sum lacks), and it depends only on the bytes before ``n`` (a proper predictor). For a
-trained member almost all the mass lies on its own tokenization, which the member's ``chain`` (its own
-tokens of the text, computed in one run) serves.
+probability is below ``keep`` times ``P̂(x[:i])`` or it is not among the ``width`` most probable there.
+Where the dropped mass ``D_i`` goes is the rule (``Reserve``):
+
+- **top** (``reserve=False``, the default): it is left out, and a boundary's most probable history
+  always stays (``_prune``): ``p(x[n] | x[:n]) = P̂(x[:n+1]) / (P̂(x[:n]) − D_n)``, with ``P̂`` the kept
+  histories' covers (``D_n`` is exactly what the 257 outcomes' sum lacks). A row at almost every byte.
+- **reserve** (``reserve=True``): it joins a pseudo-history ``R`` that gives each of the 257 next
+  symbols ``1/257`` of itself, ``P̂(x[:i+1]) = C(x[:i+1]) + R_i / 257`` and ``R_{i+1} = R_i / 257 +
+  D_{i+1}`` (``C``: the kept histories' covers), ``p(x[n] | x[:n]) = P̂(x[:n+1]) / P̂(x[:n])``. Where no
+  kept history covers ``x[:i]`` (the covers of longer tokens all missed a byte) the reserve re-seeds
+  the tree: its whole mass goes to one history spelling ``x[:i]``, the most probable one dropped at the
+  latest boundary ``j`` that dropped one followed by the longest tokens spelling ``x[j:i]``
+  (``TokenBytes.greedy``; a byte no token of the member starts with left out). Rows only where a
+  history holds ``keep`` of its boundary's mass: a third to two thirds as many on dev text, at 0.4–1.8 %
+  more bits (docs/benchmarks.md, "Byte-level views").
+
+Either way the view depends only on the bytes before ``n`` and the 257 outcomes' masses sum to what
+they split: a pruned view is a distribution (a proper predictor). For a trained member almost all the
+mass lies on its own tokenization, which the member's ``chain`` (its own tokens of the text, computed
+in one run) serves.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ KEEP = 1e-2  # default: a history below this share of its boundary's prefix mass
 WIDTH = 1  # default: at most this many histories per boundary
 LOOK = 256  # ``score_bytes``: at most this many chain tokens read ahead after a history off it
 SMOOTH = 1e-6  # default: this share of each next-symbol distribution is spread evenly over the 257 outcomes
+LOG257 = math.log(257)
 
 Take = Callable[[list[list[int]], list[np.ndarray]], list[np.ndarray]]
 """``take(lists, ids)``: the member's next-token natural-log probabilities of ``ids[j]`` after ``lists[j]``
@@ -66,6 +80,7 @@ class TokenBytes:
         for b, i in text:
             self.exact.setdefault(b, []).append(i)
         self.token_bytes = list(token_bytes)
+        self.longest = max((len(b) for b in self.sorted), default=0)
 
     def span(self, r: bytes, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
         """``[a, b)``: the positions in ``sorted`` of the tokens that start with ``r`` (within ``[lo, hi)``)."""
@@ -78,6 +93,68 @@ class TokenBytes:
     def starting_with(self, r: bytes) -> np.ndarray:
         a, b = self.span(r)
         return self.order[a:b]
+
+    def greedy(self, r: bytes) -> list[int]:
+        """Tokens spelling ``r``, each the longest that spells a prefix of what is left (the lowest id
+        among equal bytes); a byte that starts no token is left out (the member cannot spell it)."""
+        out, pos = [], 0
+        while pos < len(r):
+            for d in range(min(self.longest, len(r) - pos), 0, -1):
+                ids = self.exact.get(r[pos:pos + d])
+                if ids:
+                    out.append(ids[0])
+                    pos += d
+                    break
+            else:
+                pos += 1
+        return out
+
+
+class Reserve:
+    """Where the mass pruning drops goes (the module docstring). ``on`` (the reserve rule): ``lp = log R``
+    after the current boundary, and the most probable history dropped at the latest boundary that
+    dropped one (``last``, at ``at``), from which a re-seed starts. Off (the top rule): the mass is left
+    out and ``lp`` stays ``-inf``."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.lp = -math.inf
+        self.last: tuple[int, ...] = ()
+        self.at = 0
+
+    def step(self) -> float:
+        """Past one more byte: ``log(R / 257)``, the reserve's mass on that byte (and what it keeps)."""
+        self.lp -= LOG257
+        return self.lp
+
+    def drop(self, gone: float, top: tuple[int, ...] | None, at: int) -> float:
+        """Histories of log-mass ``gone`` dropped at boundary ``at`` (``top``: the most probable of them,
+        ``None``: none); returns the log-mass left out (``-inf`` with the reserve on)."""
+        if not self.on or top is None:
+            return gone
+        self.lp = float(np.logaddexp(self.lp, gone))
+        self.last, self.at = top, at
+        return -math.inf
+
+    def reseed(self, tokens: TokenBytes, data: bytes, at: int) -> tuple[tuple[int, ...], float]:
+        """The history spelling ``data[:at]`` that takes the reserve's whole mass, and that mass."""
+        h, lp = self.last + tuple(tokens.greedy(data[self.at:at])), self.lp
+        self.lp = -math.inf
+        return h, lp
+
+
+def boundary(cands: dict[tuple[int, ...], float] | None, covered: float, total: float, at: int, floor: float,
+             width: int | None, reserve: Reserve, tokens: TokenBytes, data: bytes
+             ) -> tuple[list[tuple[tuple[int, ...], float]], float, float]:
+    """The histories kept at boundary ``at`` (``cands``: the candidates there, ``covered``: the kept
+    histories' covers of ``data[:at]``, ``total``: ``log P̂(data[:at])``): pruned, the rest to
+    ``reserve``, and with the reserve on its re-seed where nothing kept covers the prefix; with the
+    log-share of the prefix mass dropped and the log-mass left out."""
+    kept, gone, top = _prune(cands or {}, total + floor, width, not reserve.on)
+    lost = reserve.drop(gone, top, at)
+    if reserve.on and at and covered == -math.inf and reserve.lp > -math.inf:
+        kept.append(reserve.reseed(tokens, data, at))
+    return kept, gone - total if gone > -math.inf else -math.inf, lost
 
 
 def after_prefix(r: bytes) -> bytes:
@@ -131,9 +208,9 @@ class _Reads:
     histories one token off it that pruning could keep (``_branches``) in one more."""
 
     def __init__(self, data: bytes, tokens: TokenBytes, start: list[int], take: Take, first: list[tuple[int, int]],
-                 floor: float, width: int | None, prefetch: bool) -> None:
+                 floor: float, width: int | None, prefetch: bool, top: bool) -> None:
         self.data, self.tokens, self.start, self.take, self.first = data, tokens, start, take, first
-        self.floor, self.width, self.prefetch = floor, width, prefetch
+        self.floor, self.width, self.prefetch, self.top = floor, width, prefetch, top
         self.cache: dict[tuple[int, ...], np.ndarray] = {}
         self.window = 8  # chain tokens the next path off the chain reads ahead
         self.ahead: list[tuple[int, ...]] = []  # the histories the last such path read
@@ -167,14 +244,15 @@ class _Reads:
                         for k, x in enumerate(pre) if k < len(path)])
         if self.prefetch:
             lps = lp + np.concatenate([[0.0], np.cumsum(own)])[: len(pre)]
-            ahead = _branches(self.data, self.tokens, pre, ends, lps, self.cache, self.first, self.floor, self.width)
+            ahead = _branches(self.data, self.tokens, pre, ends, lps, self.cache, self.first, self.floor, self.width,
+                              self.top)
             self.read(list(ahead), list(ahead.values()))
         return own
 
 
 def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Take, *,
                 chain: Sequence[int] = (), keep: float = KEEP, width: int | None = WIDTH,
-                smooth: float = SMOOTH, end: bool = False, prefetch: bool = True) -> ByteScore:
+                smooth: float = SMOOTH, end: bool = False, prefetch: bool = True, reserve: bool = False) -> ByteScore:
     """The member's byte-level probability of each byte of ``data`` given the bytes before it (the
     module docstring). ``chain``: the member's own tokens of ``data``, whose histories are read in one
     ``take`` first (a cache: the numbers do not depend on it). ``smooth``: each next-symbol distribution
@@ -184,27 +262,30 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
     backend's shared calls; a cache again), and where a kept history that was not read yet stands at
     a boundary of the chain, the chain's next tokens after it are read ahead the same way (``window``
     of them: ``_Reads.follow``): a member's best history can leave its own tokens and
-    follow them again shifted (`` Reason`` + ``ing`` for `` Reasoning``)."""
+    follow them again shifted (`` Reason`` + ``ing`` for `` Reasoning``). ``reserve``: the rule for the
+    dropped mass (the module docstring)."""
     n_bytes = len(data)
     if n_bytes == 0 and not end:
         return ByteScore(np.zeros(0))
     start = list(start)
     first = [tokens.span(data[i:i + 1]) for i in range(n_bytes)]
     floor = math.log(keep) if keep > 0 else -math.inf
-    reads = _Reads(data, tokens, start, take, first, floor, width, prefetch)
+    reads = _Reads(data, tokens, start, take, first, floor, width, prefetch, not reserve)
     cache = reads.cache
     own = reads.path((), 0.0, 0, chain) if chain and n_bytes else None
     at_chain = {at: j for j, at in enumerate(_spelled(tokens.token_bytes, chain, data))} if prefetch and chain else {}
-    prefix = np.full(n_bytes + 1, -math.inf)
+    prefix = np.full(n_bytes + 1, -math.inf)  # the kept histories' covers
     prefix[0] = 0.0
-    dropped = np.full(n_bytes + 1, -math.inf)
+    total = prefix.copy()  # and the reserve's share: log P̂(x[:i])
+    lost = np.full(n_bytes + 1, -math.inf)  # the mass left out at each boundary (the top rule)
+    res = Reserve(reserve)
     frontier: dict[int, dict[tuple[int, ...], float]] = {0: {(): 0.0}}
-    read = 0
+    read, share = 0, -math.inf
     for i in range(n_bytes):
-        cands = frontier.pop(i, None)
-        if not cands:
-            continue
-        kept, dropped[i] = _prune(cands, prefix[i] + floor, width)
+        if i:
+            total[i] = np.logaddexp(prefix[i], res.step())
+        kept, gone, lost[i] = boundary(frontier.pop(i, None), prefix[i], total[i], i, floor, width, res, tokens, data)
+        share = max(share, gone)
         lo, hi = first[i]
         if i in at_chain:  # a kept history off the paths read, where a chain token starts: the chain's rest follows it
             for h, lp in kept:
@@ -216,29 +297,31 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
             read += 1
             _grow(data, i, h, lp, entries, lo, hi, tokens, prefix, frontier)
     cache.clear()
+    if n_bytes:
+        total[n_bytes] = np.logaddexp(prefix[n_bytes], res.step())
     out = np.empty(n_bytes)
     for n in range(n_bytes):  # once a prefix has probability 0, so have its bytes
-        out[n] = prefix[n + 1] - _logsubexp(prefix[n], dropped[n]) if prefix[n] > -math.inf else -math.inf
-    share = max((math.exp(dropped[n] - prefix[n]) for n in range(n_bytes) if dropped[n] > -math.inf), default=0.0)
-    score = ByteScore(_smoothed(out, smooth), histories=read, pruned=share, chain=own)
+        out[n] = total[n + 1] - _logsubexp(total[n], lost[n]) if total[n] > -math.inf else -math.inf
+    score = ByteScore(_smoothed(out, smooth), histories=read, pruned=math.exp(share), chain=own)
     if end:
-        raw = _end_logprob(data, tokens, start, take, frontier.get(n_bytes, {}), prefix, floor, width, dropped)
+        raw = _end_logprob(data, tokens, start, take, frontier.get(n_bytes, {}), prefix[n_bytes], total[n_bytes],
+                           floor, width, res)
         score.end = float(_smoothed(np.array([raw]), smooth)[0])
     return score
 
 
 def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends: list[int], lps: np.ndarray,
               cache: dict[tuple[int, ...], np.ndarray], first: list[tuple[int, int]], floor: float,
-              width: int | None) -> dict[tuple[int, ...], int]:
+              width: int | None, top: bool) -> dict[tuple[int, ...], int]:
     """The histories one token off a path (``pre[j] + (v,)``, ``v`` not its next token; ``pre[j]`` at
     boundary ``ends[j]`` with log-probability ``lps[j]``) that pruning could keep, each with its
     boundary: ``v`` must hold at least ``keep`` of ``pre[j]``'s own covers of its bytes (the prefix mass
     there is at least those), and with ``width`` 1 beat the path's history at that boundary. Read from
-    the path's rows in ``cache``. Where the path has no boundary, the most probable of them there too
-    (``_prune`` keeps a boundary's most probable history whatever its share)."""
+    the path's rows in ``cache``. With ``top`` (the top rule), where the path has no boundary, the most
+    probable of them there too (``_prune`` keeps a boundary's most probable history whatever its share)."""
     on_path = dict(zip(ends, lps))
     out: dict[tuple[int, ...], int] = {}
-    top: dict[int, tuple[float, tuple[int, ...]]] = {}  # off the path's boundaries: the most probable one-off there
+    best: dict[int, tuple[float, tuple[int, ...]]] = {}  # off the path's boundaries: the most probable one-off there
     for h, o, lp_h in zip(pre, ends, lps):
         lo, hi = first[o]
         entries = cache[h]
@@ -249,12 +332,12 @@ def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends:
                 lp = lp_h + float(entries[a - lo + q])
                 if h + (v,) in cache:
                     continue
-                if o + d not in on_path and lp > top.get(o + d, (-math.inf, ()))[0]:
-                    top[o + d] = (lp, h + (v,))
+                if top and o + d not in on_path and lp > best.get(o + d, (-math.inf, ()))[0]:
+                    best[o + d] = (lp, h + (v,))
                 if lp < lp_h + cover + floor or (width == 1 and on_path.get(o + d, -math.inf) > lp):
                     continue
                 out[h + (v,)] = o + d
-    out.update((h, at) for at, (_, h) in top.items())
+    out.update((h, at) for at, (_, h) in best.items())
     return out
 
 
@@ -265,18 +348,21 @@ def _smoothed(logprobs: np.ndarray, smooth: float) -> np.ndarray:
     return np.logaddexp(math.log1p(-smooth) + logprobs, math.log(smooth / 257))
 
 
-def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None
-           ) -> tuple[list[tuple[tuple[int, ...], float]], float]:
-    """The histories kept at a boundary (most probable first, ties by ids) and the log-mass of the
-    others (``-inf``: none dropped). The most probable always stays (the histories at a boundary are
-    the only ones that can spell any next byte: the covers of longer tokens from earlier boundaries
-    die with the first byte that none of them has, and a tree without a history at every boundary
-    would give the rest of the text no mass); the others stay above ``floor`` (``keep`` times
-    ``P̂(x[:i])``) among the ``width`` most probable."""
+def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None, top: bool
+           ) -> tuple[list[tuple[tuple[int, ...], float]], float, tuple[int, ...] | None]:
+    """The histories kept at a boundary (most probable first, ties by ids), the log-mass of the others
+    (``-inf``: none dropped) and the most probable of them (``None``). They stay above ``floor``
+    (``keep`` times ``P̂(x[:i])``) among the ``width`` most probable; with ``top`` (the top rule) the
+    most probable always stays (the histories at a boundary are the only ones that can spell any next
+    byte: the covers of longer tokens from earlier boundaries die with the first byte that none of them
+    has, and a tree without a history at every boundary would give the rest of the text no mass)."""
     ranked = sorted(cands.items(), key=lambda kv: (-kv[1], kv[0]))
-    keep = [k == 0 or (lp >= floor and (width is None or k < width)) for k, (_, lp) in enumerate(ranked)]
-    gone = [lp for (_, lp), k in zip(ranked, keep) if not k]
-    return [hl for hl, k in zip(ranked, keep) if k], float(np.logaddexp.reduce(np.array(gone))) if gone else -math.inf
+    keep = [(top and k == 0) or (lp >= floor and (width is None or k < width)) for k, (_, lp) in enumerate(ranked)]
+    gone = [hl for hl, k in zip(ranked, keep) if not k]
+    kept = [hl for hl, k in zip(ranked, keep) if k]
+    if not gone:
+        return kept, -math.inf, None
+    return kept, float(np.logaddexp.reduce(np.array([lp for _, lp in gone]))), gone[0][0]
 
 
 def _spans(data: bytes, i: int, lo: int, hi: int, tokens: TokenBytes, stop: int) -> Iterator[tuple[int, int, int]]:
@@ -306,13 +392,13 @@ def _grow(data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarra
 
 
 def _end_logprob(data: bytes, tokens: TokenBytes, start: list[int], take: Take,
-                 cands: dict[tuple[int, ...], float], prefix: np.ndarray, floor: float, width: int | None,
-                 dropped: np.ndarray) -> float:
-    """``log p(end | data)``: the kept histories spelling all of ``data``, their mass on ids that are not text."""
-    n = len(data)
-    if not cands:
+                 cands: dict[tuple[int, ...], float], covered: float, total: float, floor: float,
+                 width: int | None, reserve: Reserve) -> float:
+    """``log p(end | data)``: the histories kept at ``len(data)``, their mass on ids that are not text (and
+    the reserve's ``1/257``)."""
+    if total == -math.inf:
         return -math.inf
-    kept, dropped[n] = _prune(cands, prefix[n] + floor, width)
-    rows = take([start + list(h) for h, _ in kept], [tokens.other] * len(kept))  # read, not 1 − the text's mass
+    kept, _, lost = boundary(cands, covered, total, len(data), floor, width, reserve, tokens, data)
+    rows = take([start + list(h) for h, _ in kept], [tokens.other] * len(kept)) if kept else []  # read, not 1 − the text's mass
     ends = [lp + (float(np.logaddexp.reduce(r)) if len(r) else -math.inf) for (_, lp), r in zip(kept, rows)]
-    return float(np.logaddexp.reduce(np.array(ends)) - _logsubexp(prefix[n], dropped[n]))
+    return float(np.logaddexp.reduce(np.array(ends + [reserve.lp - LOG257])) - _logsubexp(total, lost))

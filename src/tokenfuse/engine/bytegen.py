@@ -132,7 +132,8 @@ class ByteDecider:
             for i in self.computed:
                 start = list(s.states[i].prompt_ids)
                 take = seq.readers.enter_context(state_reader(self.members[i], start))
-                seq.states[i] = ByteState(self.table(i), start, take, keep=p.keep, width=p.width, smooth=p.smooth)
+                seq.states[i] = ByteState(self.table(i), start, take, keep=p.keep, width=p.width, smooth=p.smooth,
+                                         reserve=p.reserve)
         except BaseException:
             seq.readers.close()
             raise
