@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from tokenfuse.alignment.byteview import TokenBytes, score_bytes
+from tokenfuse.alignment.byteview import SPECULATE, TokenBytes, score_bytes
 from tokenfuse.bundled import BUNDLED
 from tokenfuse.config import MemberConfig
 from tokenfuse.engine.text_features import Rows, primary_tokens
@@ -72,6 +72,7 @@ def measure(source: str, texts: list[str], states: bool) -> dict:
                 with reader.reader() as take:
                     s = score_bytes(t.encode("utf-8"), tokens, rows.start, take,
                                     chain=primary_tokens(m.codec, t), keep=keep, width=width, prefetch=ahead,
+                                    speculate=SPECULATE if ahead else 0,
                                     reserve=reserve)
                 lp += float(s.logprobs.sum())
                 read += s.histories

@@ -214,6 +214,52 @@ def test_the_chain_is_a_cache_only(fake):
     assert a.logprobs.tolist() == b.logprobs.tolist() and a.end == b.end
 
 
+def _counted(take):
+    calls = []
+
+    def counted(lists, ids):
+        calls.append(len(lists))
+        return take(lists, ids)
+
+    return counted, calls
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_growing_the_tree_ahead_is_a_cache_only(fake, family, reserve):
+    """``speculate`` (the tree grown ahead on the rows read, every row it lacks read in one call) changes
+    no number, bit for bit, on random strings under both rules, and gathers reads into fewer calls."""
+    rows = fake[family]
+    tokens = TokenBytes(rows.codec.token_bytes)
+    rng = np.random.default_rng(3)
+    n_calls = {0: 0, 64: 0}
+    for n in (9, 40, 120):
+        s = bytes(rng.choice(list(ALPHABET), size=n).tolist())
+        own = primary_tokens(rows.codec, s.decode())
+        got = {}
+        for ahead in n_calls:
+            take, calls = _counted(rows.entries)
+            got[ahead] = score_bytes(s, tokens, rows.start, take, chain=own, keep=1e-2, width=1, end=True,
+                                     reserve=reserve, speculate=ahead)
+            n_calls[ahead] += len(calls)
+        assert got[64].logprobs.tolist() == got[0].logprobs.tolist() and got[64].end == got[0].end
+        assert got[64].histories == got[0].histories and got[64].pruned == got[0].pruned
+    assert n_calls[64] < n_calls[0]
+
+
+def test_growing_the_tree_ahead_on_a_tiny_transformer(make_tiny, one_thread):
+    """The same on a tiny transformer's rows and a text of several tokenizations (its own tokens as the
+    chain), to float32 rounding: a row's numbers depend on which lists share its forward."""
+    rows = Rows.from_member(make_tiny("gemma3", seed=2, name="gemma3"))
+    tokens = TokenBytes(rows.codec.token_bytes)
+    doc = "The reasoning is done: 3.14159 * r ** 2, Omit, omit.".encode()
+    own = primary_tokens(rows.codec, doc.decode())
+    got = [score_bytes(doc, tokens, rows.start, rows.entries, chain=own, speculate=ahead) for ahead in (0, 8, 64)]
+    for g in got[1:]:
+        assert g.histories == got[0].histories
+        np.testing.assert_allclose(g.logprobs, got[0].logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_document_is_the_sum_over_its_tokenizations(make_tiny, one_thread, family):
     """A tiny random transformer on the real tokenizer (mass on every id): the exact view's probability of

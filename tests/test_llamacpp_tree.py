@@ -70,18 +70,49 @@ def test_trunk_and_branches_are_the_same_calls_made_one_sequence_at_a_time(llama
         assert _tv(with_others, row) <= BATCH_TV
 
 
-def test_a_list_that_leaves_the_trunk_by_more_than_one_id_becomes_the_trunk(llamacpp_members, monkeypatch):
-    """Fed after the cells it shares with the trunk, in one call (its cells below stay the first trunk's)."""
+def _fed(m, first: list[int], steps: list[tuple[int, list[int]]]) -> np.ndarray:
+    """The last row after ``first`` fed in one call, then for each step ``(cut, call)`` cut back to ``cut``
+    ids and ``call`` fed in one call (one sequence in a context of its own)."""
+    st = m.new_state(first[:1])
+    st.ids = list(first[1:])
+    m.next_logprobs([st])
+    seq = list(first)
+    try:
+        for cut, call in steps:
+            seq = seq[:cut] + list(call)
+            st.n_valid, st.ids, st.logprobs = cut, seq[1:], None
+            row = m.next_logprobs([st])[0]
+        return row.numpy().astype(np.float64)
+    finally:
+        m.release(st)
+
+
+def test_a_list_a_few_ids_off_the_trunk_is_the_detour_and_one_far_off_the_trunk(llamacpp_members, monkeypatch):
+    """A list that leaves the trunk by 2 to ``TAIL`` ids is fed after the trunk's cells it shares, in one
+    call, and kept (the detour): the trunk stays, and a list one id past the detour is a branch of it. A
+    list that leaves both by more than ``TAIL`` ids becomes the trunk. Each row is that of the same calls
+    made one sequence at a time, bit for bit."""
+    from tokenfuse.members import llamacpp_tree
+
     m = llamacpp_members["smollm2"]
     monkeypatch.setattr(m, "prefix_cache", False)
+    monkeypatch.setattr(llamacpp_tree, "TAIL", 4)  # short calls: the references' cuts are the reader's
     trunk = m.encode_prompt("") + m.codec.encode_text(TEXT)
     other = trunk[:6] + m.codec.encode_text(" Berlin is a city")
+    far = trunk[:4] + m.codec.encode_text(" Rome, Milan and Turin")
+    assert 2 <= len(other) - 6 <= 4 < min(len(far) - 4, len(trunk))
     with m.tree_reader() as take:
         take([trunk], [[5]])
         row = take([other], [[5, 6]])[0]
-        back = take([trunk[:9]], [[5]])[0]  # leaves the new trunk by three ids: the trunk again
+        back = take([trunk[:9]], [[5]])[0]  # on the trunk still: its last id decoded again after 8 cells
+        more = take([other + [7]], [[5]])[0]  # one id past the detour
+        moved = take([far], [[5]])[0]
+        again = take([far[:-1] + [9]], [[5]])[0]  # one id off the new trunk
     assert np.array_equal(row, _plain(m, trunk, 6, other[6:])[-1][[5, 6]])
-    assert np.array_equal(back, _plain(m, trunk, 6, trunk[6:9])[-1][[5]])
+    assert np.array_equal(back, _plain(m, trunk, 8, trunk[8:9])[-1][[5]])
+    assert np.array_equal(more, _fed(m, trunk, [(6, other[6:]), (len(other), [7])])[[5]])
+    assert np.array_equal(moved, _fed(m, trunk, [(4, far[4:])])[[5]])
+    assert np.array_equal(again, _fed(m, trunk, [(4, far[4:]), (len(far) - 1, [9])])[[5]])
 
 
 @pytest.mark.parametrize("family", ["smollm2", "gemma3", "qwen"])

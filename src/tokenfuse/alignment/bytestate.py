@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenfuse.alignment.byteview import (KEEP, LOG257, SMOOTH, WIDTH, Reserve, Take, TokenBytes, _logsubexp, _smoothed,
-                                          boundary)
+from tokenfuse.alignment.bytetree import LOG257, Reserve, TokenBytes, boundary
+from tokenfuse.alignment.byteview import KEEP, SMOOTH, WIDTH, Take, _logsubexp, _smoothed
 
 END_SYMBOL = 256  # the index of the end of the text among the 257 outcomes
 DEPTH = 16  # ``ByteTable`` keeps the first this many bytes of every token as columns

@@ -26,7 +26,7 @@ probability is below ``keep`` times ``P̂(x[:i])`` or it is not among the ``widt
 Where the dropped mass ``D_i`` goes is the rule (``Reserve``):
 
 - **top** (``reserve=False``, the default): it is left out, and a boundary's most probable history
-  always stays (``_prune``): ``p(x[n] | x[:n]) = P̂(x[:n+1]) / (P̂(x[:n]) − D_n)``, with ``P̂`` the kept
+  always stays (``prune``): ``p(x[n] | x[:n]) = P̂(x[:n+1]) / (P̂(x[:n]) − D_n)``, with ``P̂`` the kept
   histories' covers (``D_n`` is exactly what the 257 outcomes' sum lacks). A row at almost every byte.
 - **reserve** (``reserve=True``): it joins a pseudo-history ``R`` that gives each of the 257 next
   symbols ``1/257`` of itself, ``P̂(x[:i+1]) = C(x[:i+1]) + R_i / 257`` and ``R_{i+1} = R_i / 257 +
@@ -46,121 +46,24 @@ in one run) serves.
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from tokenfuse.alignment.bytetree import LOG257, Reserve, TokenBytes, Tree, boundary, grow, spans
 
 KEEP = 1e-2  # default: a history below this share of its boundary's prefix mass is dropped (chosen on dev
 # text, docs/benchmarks.md "Byte-level views": bits against rows read)
 WIDTH = 1  # default: at most this many histories per boundary
 LOOK = 256  # ``score_bytes``: at most this many chain tokens read ahead after a history off it
+SPECULATE = 256  # ``score_bytes``: bytes the tree is grown ahead on the rows read, to gather the rows it will want
 SMOOTH = 1e-6  # default: this share of each next-symbol distribution is spread evenly over the 257 outcomes
-LOG257 = math.log(257)
 
 Take = Callable[[list[list[int]], list[np.ndarray]], list[np.ndarray]]
 """``take(lists, ids)``: the member's next-token natural-log probabilities of ``ids[j]`` after ``lists[j]``
 (start ids included), float64 arrays."""
-
-
-class TokenBytes:
-    """A member's text tokens by their bytes: sorted (ties by id), the span of those starting with a
-    prefix, and exact lookups."""
-
-    def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
-        text = sorted((b, i) for i, b in enumerate(token_bytes) if b)
-        self.sorted = [b for b, _ in text]
-        self.order = np.array([i for _, i in text], dtype=np.int64)
-        self.rank = np.full(len(token_bytes), -1, dtype=np.int64)  # each text token's position in ``sorted``
-        self.rank[self.order] = np.arange(len(self.order))
-        self.other = np.array([i for i, b in enumerate(token_bytes) if not b], dtype=np.int64)  # they end the text
-        self.exact: dict[bytes, list[int]] = {}
-        for b, i in text:
-            self.exact.setdefault(b, []).append(i)
-        self.token_bytes = list(token_bytes)
-        self.longest = max((len(b) for b in self.sorted), default=0)
-
-    def span(self, r: bytes, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
-        """``[a, b)``: the positions in ``sorted`` of the tokens that start with ``r`` (within ``[lo, hi)``)."""
-        hi = len(self.sorted) if hi is None else hi
-        if not r:
-            return lo, hi
-        a = bisect.bisect_left(self.sorted, r, lo, hi)
-        return a, bisect.bisect_left(self.sorted, after_prefix(r), a, hi)
-
-    def starting_with(self, r: bytes) -> np.ndarray:
-        a, b = self.span(r)
-        return self.order[a:b]
-
-    def greedy(self, r: bytes) -> list[int]:
-        """Tokens spelling ``r``, each the longest that spells a prefix of what is left (the lowest id
-        among equal bytes); a byte that starts no token is left out (the member cannot spell it)."""
-        out, pos = [], 0
-        while pos < len(r):
-            for d in range(min(self.longest, len(r) - pos), 0, -1):
-                ids = self.exact.get(r[pos:pos + d])
-                if ids:
-                    out.append(ids[0])
-                    pos += d
-                    break
-            else:
-                pos += 1
-        return out
-
-
-class Reserve:
-    """Where the mass pruning drops goes (the module docstring). ``on`` (the reserve rule): ``lp = log R``
-    after the current boundary, and the most probable history dropped at the latest boundary that
-    dropped one (``last``, at ``at``), from which a re-seed starts. Off (the top rule): the mass is left
-    out and ``lp`` stays ``-inf``."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-        self.lp = -math.inf
-        self.last: tuple[int, ...] = ()
-        self.at = 0
-
-    def step(self) -> float:
-        """Past one more byte: ``log(R / 257)``, the reserve's mass on that byte (and what it keeps)."""
-        self.lp -= LOG257
-        return self.lp
-
-    def drop(self, gone: float, top: tuple[int, ...] | None, at: int) -> float:
-        """Histories of log-mass ``gone`` dropped at boundary ``at`` (``top``: the most probable of them,
-        ``None``: none); returns the log-mass left out (``-inf`` with the reserve on)."""
-        if not self.on or top is None:
-            return gone
-        self.lp = float(np.logaddexp(self.lp, gone))
-        self.last, self.at = top, at
-        return -math.inf
-
-    def reseed(self, tokens: TokenBytes, data: bytes, at: int) -> tuple[tuple[int, ...], float]:
-        """The history spelling ``data[:at]`` that takes the reserve's whole mass, and that mass."""
-        h, lp = self.last + tuple(tokens.greedy(data[self.at:at])), self.lp
-        self.lp = -math.inf
-        return h, lp
-
-
-def boundary(cands: dict[tuple[int, ...], float] | None, covered: float, total: float, at: int, floor: float,
-             width: int | None, reserve: Reserve, tokens: TokenBytes, data: bytes
-             ) -> tuple[list[tuple[tuple[int, ...], float]], float, float]:
-    """The histories kept at boundary ``at`` (``cands``: the candidates there, ``covered``: the kept
-    histories' covers of ``data[:at]``, ``total``: ``log P̂(data[:at])``): pruned, the rest to
-    ``reserve``, and with the reserve on its re-seed where nothing kept covers the prefix; with the
-    log-share of the prefix mass dropped and the log-mass left out."""
-    kept, gone, top = _prune(cands or {}, total + floor, width, not reserve.on)
-    lost = reserve.drop(gone, top, at)
-    if reserve.on and at and covered == -math.inf and reserve.lp > -math.inf:
-        kept.append(reserve.reseed(tokens, data, at))
-    return kept, gone - total if gone > -math.inf else -math.inf, lost
-
-
-def after_prefix(r: bytes) -> bytes:
-    """The smallest byte string greater than every string that starts with ``r`` (``r`` non-empty)."""
-    s = r.rstrip(b"\xff")
-    return s[:-1] + bytes([s[-1] + 1]) if s else b"\xff" * (len(r) + 1)
 
 
 @dataclass
@@ -176,10 +79,6 @@ class ByteScore:
     histories: int = 0
     pruned: float = 0.0
     chain: np.ndarray | None = None
-
-
-def _logaddexp_at(acc: np.ndarray, n: int, value: float) -> None:
-    acc[n] = np.logaddexp(acc[n], value)
 
 
 def _logsubexp(a: float, b: float) -> float:
@@ -252,7 +151,8 @@ class _Reads:
 
 def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Take, *,
                 chain: Sequence[int] = (), keep: float = KEEP, width: int | None = WIDTH,
-                smooth: float = SMOOTH, end: bool = False, prefetch: bool = True, reserve: bool = False) -> ByteScore:
+                smooth: float = SMOOTH, end: bool = False, prefetch: bool = True, reserve: bool = False,
+                speculate: int = SPECULATE) -> ByteScore:
     """The member's byte-level probability of each byte of ``data`` given the bytes before it (the
     module docstring). ``chain``: the member's own tokens of ``data``, whose histories are read in one
     ``take`` first (a cache: the numbers do not depend on it). ``smooth``: each next-symbol distribution
@@ -262,8 +162,10 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
     backend's shared calls; a cache again), and where a kept history that was not read yet stands at
     a boundary of the chain, the chain's next tokens after it are read ahead the same way (``window``
     of them: ``_Reads.follow``): a member's best history can leave its own tokens and
-    follow them again shifted (`` Reason`` + ``ing`` for `` Reasoning``). ``reserve``: the rule for the
-    dropped mass (the module docstring)."""
+    follow them again shifted (`` Reason`` + ``ing`` for `` Reasoning``). ``speculate``: where a kept
+    history's row is missing, the tree is grown ``speculate`` bytes ahead on the rows read so far and
+    every row it then lacks is read in the same ``take`` (``_speculate``; a cache too, 0: off).
+    ``reserve``: the rule for the dropped mass (the module docstring)."""
     n_bytes = len(data)
     if n_bytes == 0 and not end:
         return ByteScore(np.zeros(0))
@@ -274,40 +176,54 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
     cache = reads.cache
     own = reads.path((), 0.0, 0, chain) if chain and n_bytes else None
     at_chain = {at: j for j, at in enumerate(_spelled(tokens.token_bytes, chain, data))} if prefetch and chain else {}
-    prefix = np.full(n_bytes + 1, -math.inf)  # the kept histories' covers
-    prefix[0] = 0.0
-    total = prefix.copy()  # and the reserve's share: log P̂(x[:i])
-    lost = np.full(n_bytes + 1, -math.inf)  # the mass left out at each boundary (the top rule)
-    res = Reserve(reserve)
-    frontier: dict[int, dict[tuple[int, ...], float]] = {0: {(): 0.0}}
-    read, share = 0, -math.inf
+    tree = Tree.new(n_bytes, reserve)
+    read = 0
     for i in range(n_bytes):
-        if i:
-            total[i] = np.logaddexp(prefix[i], res.step())
-        kept, gone, lost[i] = boundary(frontier.pop(i, None), prefix[i], total[i], i, floor, width, res, tokens, data)
-        share = max(share, gone)
+        kept = tree.boundary(i, floor, width, tokens, data)
         lo, hi = first[i]
         if i in at_chain:  # a kept history off the paths read, where a chain token starts: the chain's rest follows it
             for h, lp in kept:
                 if h not in cache:
                     reads.follow(h, lp, i, chain[at_chain[i]:at_chain[i] + LOOK])
+        if speculate and any(h not in cache for h, _ in kept):
+            reads.read(*_speculate(tree, i, kept, cache, first, floor, width, tokens, data, speculate))
         reads.read([h for h, _ in kept], [i] * len(kept))
         for h, lp in kept:
             entries = cache.pop(h)
             read += 1
-            _grow(data, i, h, lp, entries, lo, hi, tokens, prefix, frontier)
+            grow(data, i, h, lp, entries, lo, hi, tokens, tree.prefix, tree.frontier)
     cache.clear()
+    total, lost, res = tree.total, tree.lost, tree.res
     if n_bytes:
-        total[n_bytes] = np.logaddexp(prefix[n_bytes], res.step())
+        total[n_bytes] = np.logaddexp(tree.prefix[n_bytes], res.step())
     out = np.empty(n_bytes)
     for n in range(n_bytes):  # once a prefix has probability 0, so have its bytes
         out[n] = total[n + 1] - _logsubexp(total[n], lost[n]) if total[n] > -math.inf else -math.inf
-    score = ByteScore(_smoothed(out, smooth), histories=read, pruned=math.exp(share), chain=own)
+    score = ByteScore(_smoothed(out, smooth), histories=read, pruned=math.exp(tree.share), chain=own)
     if end:
-        raw = _end_logprob(data, tokens, start, take, frontier.get(n_bytes, {}), prefix[n_bytes], total[n_bytes],
-                           floor, width, res)
+        raw = _end_logprob(data, tokens, start, take, tree.frontier.get(n_bytes, {}), tree.prefix[n_bytes],
+                           total[n_bytes], floor, width, res)
         score.end = float(_smoothed(np.array([raw]), smooth)[0])
     return score
+
+
+def _speculate(tree: Tree, i: int, kept: list[tuple[tuple[int, ...], float]], cache: dict[tuple[int, ...], np.ndarray],
+               first: list[tuple[int, int]], floor: float, width: int | None, tokens: TokenBytes, data: bytes,
+               horizon: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The histories whose rows the tree will want next, guessed: the tree grown on a copy from boundary
+    ``i`` (``kept`` there) for ``horizon`` bytes with the rows in ``cache`` only, a kept history without
+    one gathered (with its boundary) and grown no further. Every history kept at ``i`` is among them, and
+    so is the next one the tree will want (up to ``horizon``); later ones can be wrong guesses (a missing
+    row's covers would have changed what was kept after it): read, not used."""
+    sim, want = tree.fork(), {}
+    for j in range(i, min(len(data), i + horizon)):
+        for h, lp in kept if j == i else sim.boundary(j, floor, width, tokens, data):
+            entries = cache.get(h)
+            if entries is None:
+                want[h] = j
+            else:
+                grow(data, j, h, lp, entries, *first[j], tokens, sim.prefix, sim.frontier)
+    return list(want), list(want.values())
 
 
 def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends: list[int], lps: np.ndarray,
@@ -318,7 +234,7 @@ def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends:
     boundary: ``v`` must hold at least ``keep`` of ``pre[j]``'s own covers of its bytes (the prefix mass
     there is at least those), and with ``width`` 1 beat the path's history at that boundary. Read from
     the path's rows in ``cache``. With ``top`` (the top rule), where the path has no boundary, the most
-    probable of them there too (``_prune`` keeps a boundary's most probable history whatever its share)."""
+    probable of them there too (``prune`` keeps a boundary's most probable history whatever its share)."""
     on_path = dict(zip(ends, lps))
     out: dict[tuple[int, ...], int] = {}
     best: dict[int, tuple[float, tuple[int, ...]]] = {}  # off the path's boundaries: the most probable one-off there
@@ -326,7 +242,7 @@ def _branches(data: bytes, tokens: TokenBytes, pre: list[tuple[int, ...]], ends:
         lo, hi = first[o]
         entries = cache[h]
         p = np.exp(entries)
-        for d, a, b in _spans(data, o, lo, hi, tokens, len(data) - 1):
+        for d, a, b in spans(data, o, lo, hi, tokens, len(data) - 1):
             cover = math.log(max(float(p[a - lo:b - lo].sum()), 1e-300))
             for q, v in enumerate(tokens.exact.get(data[o:o + d], ())):
                 lp = lp_h + float(entries[a - lo + q])
@@ -346,49 +262,6 @@ def _smoothed(logprobs: np.ndarray, smooth: float) -> np.ndarray:
     if smooth <= 0:
         return logprobs
     return np.logaddexp(math.log1p(-smooth) + logprobs, math.log(smooth / 257))
-
-
-def _prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None, top: bool
-           ) -> tuple[list[tuple[tuple[int, ...], float]], float, tuple[int, ...] | None]:
-    """The histories kept at a boundary (most probable first, ties by ids), the log-mass of the others
-    (``-inf``: none dropped) and the most probable of them (``None``). They stay above ``floor``
-    (``keep`` times ``P̂(x[:i])``) among the ``width`` most probable; with ``top`` (the top rule) the
-    most probable always stays (the histories at a boundary are the only ones that can spell any next
-    byte: the covers of longer tokens from earlier boundaries die with the first byte that none of them
-    has, and a tree without a history at every boundary would give the rest of the text no mass)."""
-    ranked = sorted(cands.items(), key=lambda kv: (-kv[1], kv[0]))
-    keep = [(top and k == 0) or (lp >= floor and (width is None or k < width)) for k, (_, lp) in enumerate(ranked)]
-    gone = [hl for hl, k in zip(ranked, keep) if not k]
-    kept = [hl for hl, k in zip(ranked, keep) if k]
-    if not gone:
-        return kept, -math.inf, None
-    return kept, float(np.logaddexp.reduce(np.array([lp for _, lp in gone]))), gone[0][0]
-
-
-def _spans(data: bytes, i: int, lo: int, hi: int, tokens: TokenBytes, stop: int) -> Iterator[tuple[int, int, int]]:
-    """``(d, a, b)`` for ``d = 1, 2, …`` while ``i + d <= stop``: the span ``[a, b)`` of the tokens (within
-    ``[lo, hi)``) that start with ``data[i:i + d]``, as long as some do."""
-    a, b, d = lo, hi, 1
-    while i + d <= stop and a < b:
-        a, b = tokens.span(data[i:i + d], a, b)
-        if a >= b:
-            return
-        yield d, a, b
-        d += 1
-
-
-def _grow(data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarray, lo: int, hi: int,
-          tokens: TokenBytes, prefix: np.ndarray, frontier: dict[int, dict[tuple[int, ...], float]]) -> None:
-    """History ``h`` (probability ``exp(lp)``, at boundary ``i``; ``entries``: its log-probabilities of the
-    tokens at ``tokens.sorted[lo:hi]``, those starting with ``data[i]``): its covers of every longer prefix,
-    and the histories it makes."""
-    p = np.exp(entries)
-    for d, a, b in _spans(data, i, lo, hi, tokens, len(data)):
-        mass = float(p[a - lo:b - lo].sum())
-        if mass > 0:
-            _logaddexp_at(prefix, i + d, lp + math.log(mass))
-        for q, t in enumerate(tokens.exact.get(data[i:i + d], ())):  # they sort first in the span
-            frontier.setdefault(i + d, {})[h + (t,)] = lp + float(entries[a - lo + q])
 
 
 def _end_logprob(data: bytes, tokens: TokenBytes, start: list[int], take: Take,
