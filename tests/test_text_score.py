@@ -223,3 +223,26 @@ def test_picked_entries_are_the_whole_rows_entries(make_tiny, batched):
         m = make_tiny(fam, seed=20 + i, name=f"{fam}-pick")
         m.batched = batched
         assert picked_equals_whole_rows(m, text) > 10
+
+
+def test_a_document_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """``paths.save_npz`` (each document's numbers in the text runs, the tables in the cache): a writer
+    stopped half-way leaves the file as it was and no temporary file, so a resumed run never reads half a
+    file."""
+    from tokenfuse import paths
+
+    path = tmp_path / "docs" / "a.npz"
+    paths.save_npz(path, q=np.arange(3.0))
+    real = np.savez
+
+    def dies(file, **arrays):
+        real(file, **arrays)
+        with open(file, "r+b") as fh:
+            fh.truncate(10)  # half-written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(paths.np, "savez", dies)
+    with pytest.raises(KeyboardInterrupt):
+        paths.save_npz(path, q=np.arange(5.0))
+    assert np.load(path)["q"].tolist() == [0.0, 1.0, 2.0]
+    assert [p.name for p in path.parent.iterdir()] == ["a.npz"]

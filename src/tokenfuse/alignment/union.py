@@ -10,7 +10,6 @@ the tokenizers' content.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenfuse.members.codec import DAMAGED, ByteCodec, pack_bytes, unpack_bytes
+from tokenfuse.paths import save_npz
 
 END = 0
 
@@ -116,10 +116,7 @@ def _save(path: Path, union: UnionVocab, codecs: Sequence[ByteCodec]) -> None:
     for c, m, inv in zip(codecs, union.maps, union.inverse):
         arrays[f"{c.fingerprint}.map"] = m
         arrays[f"{c.fingerprint}.inverse"] = inv
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    save_npz(path, **arrays)
 
 
 def _load(path: Path, codecs: Sequence[ByteCodec]) -> UnionVocab:

@@ -33,6 +33,7 @@ from tokenfuse.engine.text_features import DocFeatures, Rows, doc_features, prim
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.batches import stderr_log
 from tokenfuse.eval.stats import holm
+from tokenfuse.paths import save_npz
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
 
@@ -121,7 +122,7 @@ def _features(members: Sequence[Rows], docs: Sequence[Document], primary: int, s
                       enabled=progress) as bar:
         for k in todo:
             f = doc_features(docs[k].text, members, primary, vocabs=vocabs)
-            np.savez(folder / f"{doc_key(docs[k])}.npz", **f.to_npz())
+            save_npz(folder / f"{doc_key(docs[k])}.npz", **f.to_npz())
             feats[k] = f
             bar.update(1)
     return feats  # type: ignore[return-value]

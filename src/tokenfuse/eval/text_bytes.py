@@ -30,6 +30,7 @@ from tokenfuse.engine.text_rows import em_weights
 from tokenfuse.eval.batches import stderr_log
 from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, compare, doc_key, markdown,
                                  per_domain)
+from tokenfuse.paths import save_npz
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
 
@@ -71,7 +72,7 @@ def _features(members: Sequence[Rows], docs: Sequence[Document], split: str, out
                       enabled=progress) as bar:
         for k in todo:
             got[k] = doc_bytes(members, tokens, docs[k].text)
-            np.savez(folder / f"{doc_key(docs[k])}.npz", **got[k])
+            save_npz(folder / f"{doc_key(docs[k])}.npz", **got[k])
             bar.update(1)
     return got  # type: ignore[return-value]
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import zipfile
 from collections.abc import Iterable, Sequence
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from tokenfuse.errors import AlignmentError
+from tokenfuse.paths import save_npz
 
 BYTE_LEVEL = "byte_level"
 SENTENCEPIECE = "sentencepiece"
@@ -346,10 +346,8 @@ def save_codec(path: Path, codec: ByteCodec) -> None:
     """Write a member's byte tables (not its encoder) to ``path``."""
     t = codec.tables()
     data, lengths = pack_bytes(t["token_bytes"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-    np.savez(
-        tmp,
+    save_npz(
+        path,
         data=data,
         lengths=lengths,
         byte_ids=np.array([-1 if i is None else i for i in t["byte_ids"]], dtype=np.int64),
@@ -357,7 +355,6 @@ def save_codec(path: Path, codec: ByteCodec) -> None:
         special_ids=np.array(sorted(t["special_ids"]), dtype=np.int64),
         meta=np.array([t["kind"], str(t["vocab_size"]), t["fingerprint"]]),
     )
-    os.replace(tmp, path)
 
 
 def load_codec_tables(path: Path) -> dict:

@@ -25,7 +25,6 @@ a GGUF file's ``token_embd.weight`` memory-mapped with only the needed rows dequ
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 
 from tokenfuse.members.codec import DAMAGED
 from tokenfuse.members.embeddings import EmbeddingRows
+from tokenfuse.paths import save_npz
 
 VERSION = "1"
 
@@ -140,7 +140,7 @@ class RelativeRows:
                     out[s : s + len(ids)] = torch.nn.functional.normalize(self.source.take(ids), dim=1)
                     bar.update(len(ids))
             if path is not None:  # float32 on disk whatever the compute type
-                _save_npz(path, anchor_ids=self.anchor_ids, anchors=out.numpy())
+                save_npz(path, anchor_ids=self.anchor_ids, anchors=out.numpy())
             self._anchors = out.to(self.compute_dtype)
         self._load_rows()
         self.build_seconds = time.perf_counter() - start
@@ -228,7 +228,7 @@ class RelativeRows:
             return None
         slots = np.array(sorted(self._slot.values(), key=lambda s: self._used[s]), dtype=np.int64)
         rows = torch.index_select(self._store, 0, torch.from_numpy(slots))
-        _save_npz(path, ids=self._slot_id[slots], rows=rows.numpy())
+        save_npz(path, ids=self._slot_id[slots], rows=rows.numpy())
         self._dirty = False
         return path
 
@@ -254,8 +254,4 @@ class RelativeRows:
         self._used[len(ids):] = np.iinfo(np.int64).min  # empty slots are taken first
 
 
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+
