@@ -107,6 +107,8 @@ def test_text_bytes_run_writes_results_and_resumes(make_tiny, one_thread, text_d
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(res["rows"]) == {"single:g", "single:q", "bytes:g", "bytes:q", "doc-mix", *byte_rows.BYTE_ROWS}
     assert set(res["rows"]["byte-gate"]["vs_doc_mix"]["pooled"]) >= {"gain", "ci", "p_holm"}
+    from tokenfuse.eval import pages  # the results pages render the run's results.md from results.json alone
+    assert pages.render_run(tmp_path / "out") == (tmp_path / "out" / "results.md").read_text()
     items = [json.loads(x) for x in (tmp_path / "out" / "items-text-bytes.jsonl").read_text().splitlines()]
     rows = Rows.from_member(members[0])
     for item, t in zip(items, TEXT_DOCS.values()):

@@ -16,7 +16,7 @@ tables between two marker lines, the prose around them left alone::
   ``wall`` (wall time per task), ``ci`` (bootstrap intervals), ``raw`` (unnormalised likelihood accuracy), ``gain`` (paired gain
   over the best member), ``proper`` (the likelihood tasks' NLL and Brier score per row), ``proper_gain``
   (their paired difference from the best member), ``answers`` (the answer rows' samples and cost), ``mux`` (``mux`` against the
-  best ``sc`` row), ``auto`` (``auto``'s choice per task); a ``text`` run's one table is its ``main``. Two or more are joined row by row
+  best ``sc`` row), ``auto`` (``auto``'s choice per task); a ``text`` or ``text-bytes`` run's one table is its ``main``. Two or more are joined row by row
   on their first column; a later section's columns are headed ``<section>: <column>``;
 * ``cols=a,b`` (optional) — keep these columns: a column is kept when its header is a name or
   starts with a name and a space or ``(`` (``Avg.`` keeps ``Avg.`` and ``Avg. vs ...``);
@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from tokenfuse.eval.report import markdown_table
+from tokenfuse.eval import text_bytes
 from tokenfuse.eval.text import markdown as text_markdown
 
 # A section of report.markdown_table's output is named by the line just above its table.
@@ -49,9 +50,11 @@ _MISSING = "–"
 
 
 def render_run(run_dir: Path) -> str:
-    """The run's results.md, rendered from its results.json (a ``text`` run's by ``eval.text.markdown``)."""
+    """The run's results.md, rendered from its results.json (a ``text`` run's by ``eval.text.markdown``, a
+    ``text-bytes`` run's by ``eval.text_bytes.render``)."""
     data = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
-    return text_markdown(data) if data.get("task") == "text" else markdown_table(data)
+    render = {"text": text_markdown, "text-bytes": text_bytes.render}.get(data.get("task"), markdown_table)
+    return render(data)
 
 
 def _cells(line: str) -> list[str]:

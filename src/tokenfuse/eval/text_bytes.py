@@ -121,8 +121,13 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     results |= aggregate(records, rows, names, versus_doc_mix=byte_rows.BYTE_ROWS)
     results["vs_best_view"] = versus_views(records, names)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results) + views_markdown(results["vs_best_view"]))
+    (out / "results.md").write_text(render(results))
     return results
+
+
+def render(results: dict) -> str:
+    """``results.md`` of a ``text-bytes`` run from its ``results.json`` (also ``eval.pages``' rendering)."""
+    return markdown(results) + views_markdown(results["vs_best_view"])
 
 
 def versus_views(records: Sequence[dict], names: Sequence[str]) -> dict:
