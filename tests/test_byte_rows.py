@@ -118,3 +118,19 @@ def test_text_bytes_run_writes_results_and_resumes(make_tiny, one_thread, text_d
     assert cli.main(args) == 0
     assert "3 already done" in capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "results.json").read_text())["rows"] == res["rows"]
+
+    # `tokenfuse score --bytes` with the run's fit gives a document the run's numbers (every row)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT_DOCS["zh"] + "test", encoding="utf-8")
+    fit = str(tmp_path / "out" / "results.json")
+    assert cli.main(["score", str(doc), "--bytes", "--fitted", fit, "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["bytes"] == items[2]["bytes"] and set(scored["rows"]) == set(items[2]["bits"])
+    for row, bits in items[2]["bits"].items():
+        assert abs(scored["rows"][row]["bits"] - bits) < 1e-4, row
+    assert cli.main(["score", str(doc), "--bytes", "--json"]) == 0  # no fit: the members' weights, no gate
+    assert set(json.loads(capsys.readouterr().out)["rows"]) == set(items[2]["bits"]) - {"byte-gate"}
+    assert cli.main(["score", str(doc), "--fitted", fit]) != 0
+    assert "the fit of a text-bytes run; score its byte rows with --bytes" in capsys.readouterr().err
+    assert cli.main(["score", str(doc), "--bytes", "--pieces"]) != 0
+    assert "--pieces: the token-level rows' pieces" in capsys.readouterr().err

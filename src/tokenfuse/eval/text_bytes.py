@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +41,11 @@ def row_names(members: Sequence[Rows]) -> list[str]:
             + list(byte_rows.BYTE_ROWS))
 
 
-def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str) -> dict[str, np.ndarray]:
+def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str,
+              on_member: Callable[[], object] | None = None) -> dict[str, np.ndarray]:
     """Each member's byte view of ``text`` (``q<i>``: natural-log probability of each byte) and its own
-    tokens' log-probabilities (``single<i>``), with the rows each read (``rows``)."""
+    tokens' log-probabilities (``single<i>``), with the rows each read (``rows``); ``on_member`` is
+    called after each member's view (a progress bar)."""
     data = text.encode("utf-8")
     out: dict[str, np.ndarray] = {}
     read = []
@@ -54,6 +56,8 @@ def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str) 
         out[f"q{i}"] = s.logprobs
         out[f"single{i}"] = s.chain if s.chain is not None else np.zeros(0)
         read.append(s.histories)
+        if on_member is not None:
+            on_member()
     out["rows"] = np.array(read)
     return out
 
@@ -81,6 +85,22 @@ def _q(f: dict[str, np.ndarray], n: int) -> np.ndarray:
     return np.exp(np.stack([f[f"q{i}"] for i in range(n)], axis=1))
 
 
+def doc_logprobs(f: dict[str, np.ndarray], names: Sequence[str], fitted: dict[str, byte_rows.ByteFitted],
+                 doc_w: np.ndarray) -> dict[str, float]:
+    """Every row's natural-log probability of one document from its ``doc_bytes``: ``single`` and
+    ``bytes`` per member, ``doc-mix`` (weights ``doc_w``) and each byte row in ``fitted``."""
+    n = len(names)
+    single = np.array([f[f"single{i}"].sum() for i in range(n)])
+    lp = {f"single:{names[i]}": float(single[i]) for i in range(n)}
+    lp |= {f"bytes:{names[i]}": float(f[f"q{i}"].sum()) for i in range(n)}
+    top = single.max()
+    lp["doc-mix"] = float(top + math.log(float(np.exp(single - top) @ doc_w)))
+    q = _q(f, n)
+    lp |= {row: float(byte_rows.byte_logprobs(row, q, fitted[row]).sum()) for row in byte_rows.BYTE_ROWS
+           if row in fitted}
+    return lp
+
+
 def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     """The whole run (the module docstring); returns ``results.json``'s content."""
     out = Path(settings.out)
@@ -101,13 +121,7 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     rows = row_names(members)
     records = []
     for d, f in zip(test, test_f):
-        single = np.array([f[f"single{i}"].sum() for i in range(n)])
-        lp = {f"single:{names[i]}": single[i] for i in range(n)}
-        lp |= {f"bytes:{names[i]}": f[f"q{i}"].sum() for i in range(n)}
-        top = single.max()
-        lp["doc-mix"] = top + math.log(float(np.exp(single - top) @ doc_w))
-        q = _q(f, n)
-        lp |= {row: byte_rows.byte_logprobs(row, q, fitted[row]).sum() for row in byte_rows.BYTE_ROWS}
+        lp = doc_logprobs(f, names, fitted, doc_w)
         records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "rows_read": f["rows"].tolist(),
                         "bits": {k: round(-float(v) / LN2, 4) for k, v in lp.items()}})
     with (out / "items-text-bytes.jsonl").open("w", encoding="utf-8") as fh:
@@ -145,3 +159,20 @@ def views_markdown(vs: dict) -> str:
         lines.append(f"- `{row}` against `{c['best']}`: {100 * c['gain']:+.2f} % "
                      f"[{100 * c['ci'][0]:+.2f}, {100 * c['ci'][1]:+.2f}], p = {c['p']:.4g}")
     return "\n".join(lines) + "\n"
+
+
+def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str, byte_rows.ByteFitted],
+                doc_w: np.ndarray, *, progress: bool = True) -> list[dict]:
+    """``tokenfuse score --bytes``: every row of this run (those in ``fitted`` of the byte rows) on each
+    text, in ``score``'s ``--json`` shape per text."""
+    names = [m.name for m in members]
+    tokens = [TokenBytes(m.codec.token_bytes) for m in members]
+    sizes = [len(t.encode("utf-8")) for t in texts]
+    out = []
+    with progress_bar(total=len(members) * sum(sizes), desc="byte views", unit="B", enabled=progress) as bar:
+        for text, size in zip(texts, sizes):
+            f = doc_bytes(members, tokens, text, on_member=lambda size=size: bar.update(size))
+            bits = {row: -v / LN2 for row, v in doc_logprobs(f, names, fitted, doc_w).items()}
+            out.append({"bytes": size, "rows": {row: {"bits_per_byte": b / max(size, 1), "bits": b}
+                                                for row, b in bits.items()}})
+    return out
