@@ -146,6 +146,11 @@ class Tree:
         self.share = max(self.share, gone)
         return kept
 
+    def grow(self, data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarray, lo: int, hi: int,
+             tokens: TokenBytes) -> None:
+        """History ``h`` at boundary ``i`` grown into this tree (``grow``)."""
+        grow(data, i, h, lp, entries, lo, hi, tokens, self.prefix, self.frontier)
+
     def fork(self) -> Tree:
         """A copy to simulate on (``_speculate``)."""
         return Tree(self.prefix.copy(), self.total.copy(), self.lost.copy(), copy.copy(self.res),

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenfuse.alignment.bytetree import LOG257, Reserve, TokenBytes, Tree, boundary, grow, spans
+from tokenfuse.alignment.bytetree import LOG257, Reserve, TokenBytes, Tree, boundary, spans
 
 KEEP = 1e-2  # default: a history below this share of its boundary's prefix mass is dropped (chosen on dev
 # text, docs/benchmarks.md "Byte-level views": bits against rows read)
@@ -191,7 +191,7 @@ def score_bytes(data: bytes, tokens: TokenBytes, start: Sequence[int], take: Tak
         for h, lp in kept:
             entries = cache.pop(h)
             read += 1
-            grow(data, i, h, lp, entries, lo, hi, tokens, tree.prefix, tree.frontier)
+            tree.grow(data, i, h, lp, entries, lo, hi, tokens)
     cache.clear()
     total, lost, res = tree.total, tree.lost, tree.res
     if n_bytes:
@@ -222,7 +222,7 @@ def _speculate(tree: Tree, i: int, kept: list[tuple[tuple[int, ...], float]], ca
             if entries is None:
                 want[h] = j
             else:
-                grow(data, j, h, lp, entries, *first[j], tokens, sim.prefix, sim.frontier)
+                sim.grow(data, j, h, lp, entries, *first[j], tokens)
     return list(want), list(want.values())
 
 

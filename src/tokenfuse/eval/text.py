@@ -83,6 +83,11 @@ def _bits(logprob: float) -> float:
     return -logprob / LN2
 
 
+def score_entry(logprob: float, nbytes: int) -> dict[str, float]:
+    """One row of ``tokenfuse score --json`` for a text of ``nbytes`` bytes: its bits and bits per byte."""
+    return {"bits_per_byte": _bits(logprob) / max(nbytes, 1), "bits": _bits(logprob)}
+
+
 def _choose_primary(members: Sequence[Rows], dev: Sequence[Document], out: Path, progress: bool) -> tuple[int, dict]:
     """Each member alone on the dev documents (kept in ``out/dev-single.json``); the fewest bits per byte wins."""
     path = out / "dev-single.json"
@@ -268,7 +273,7 @@ def score_texts(members: Sequence[Rows], texts: Sequence[str], primary: int, fit
         for row in row_names(members):
             p = fitted.get(row, text_rows.Fitted())
             lp = text_rows.row_logprob(row, f, [m.name for m in members], p)
-            entry = {"bits_per_byte": _bits(lp) / max(nbytes, 1), "bits": _bits(lp)}
+            entry = score_entry(lp, nbytes)
             if pieces and row in text_rows.TOKEN_ROWS:
                 entry["piece_logprobs"] = [round(float(x), 5) for x in text_rows.token_logprobs(row, true, cand, f, p)]
             rows[row] = entry

@@ -29,11 +29,10 @@ from tokenfuse.engine.text_features import Rows, primary_tokens
 from tokenfuse.engine.text_rows import em_weights
 from tokenfuse.eval.batches import stderr_log
 from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, compare, doc_key, markdown,
-                                 per_domain)
+                                 per_domain, score_entry)
 from tokenfuse.paths import save_npz
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
-
 
 
 def row_names(members: Sequence[Rows]) -> list[str]:
@@ -172,7 +171,6 @@ def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str,
     with progress_bar(total=len(members) * sum(sizes), desc="byte views", unit="B", enabled=progress) as bar:
         for text, size in zip(texts, sizes):
             f = doc_bytes(members, tokens, text, on_member=lambda size=size: bar.update(size))
-            bits = {row: -v / LN2 for row, v in doc_logprobs(f, names, fitted, doc_w).items()}
-            out.append({"bytes": size, "rows": {row: {"bits_per_byte": b / max(size, 1), "bits": b}
-                                                for row, b in bits.items()}})
+            lps = doc_logprobs(f, names, fitted, doc_w)
+            out.append({"bytes": size, "rows": {row: score_entry(lp, size) for row, lp in lps.items()}})
     return out

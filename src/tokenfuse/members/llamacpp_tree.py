@@ -57,7 +57,7 @@ class TreeReader:
         self.member = member
         params = type(member.llm.context_params).from_buffer_copy(member.llm.context_params)
         params.n_seq_max, params.kv_unified = BRANCHES + 2, True
-        params.n_ctx = 2 * member.context_length + member.n_batch  # the trunk, the detour's own cells, a call  # the trunk, the detour's own cells, a call
+        params.n_ctx = 2 * member.context_length + member.n_batch  # the trunk, the detour's own cells, a call
         with LOAD_LOCK:
             ctx = LlamaContext(model=member.llm._model, params=params, verbose=False)
         self.slot = Slot(ctx, LlamaBatch(n_tokens=member.n_batch, embd=0, n_seq_max=1, verbose=False))
@@ -116,9 +116,10 @@ class TreeReader:
         if len(root) > self.member.context_length:
             raise ValueError(f"member {self.member.name!r}: {len(root)} ids do not fit its context "
                              f"({self.member.context_length})")
-        keep, other = common_prefix(self.held[seq], root), DETOUR if seq == TRUNK else TRUNK
-        if common_prefix(self.held[other], root) > keep:  # start from the other one's cells
-            keep = common_prefix(self.held[other], root)
+        other = DETOUR if seq == TRUNK else TRUNK
+        keep, theirs = common_prefix(self.held[seq], root), common_prefix(self.held[other], root)
+        if theirs > keep:  # start from the other one's cells
+            keep = theirs
             ctx.kv_cache_seq_rm(seq, -1, -1)
             ctx.kv_cache_seq_cp(other, seq, 0, keep)
         ctx.kv_cache_seq_rm(seq, keep, -1)
