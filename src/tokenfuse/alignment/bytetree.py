@@ -148,8 +148,16 @@ class Tree:
 
     def grow(self, data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarray, lo: int, hi: int,
              tokens: TokenBytes) -> None:
-        """History ``h`` at boundary ``i`` grown into this tree (``grow``)."""
-        grow(data, i, h, lp, entries, lo, hi, tokens, self.prefix, self.frontier)
+        """History ``h`` (probability ``exp(lp)``, at boundary ``i``; ``entries``: its log-probabilities of the
+        tokens at ``tokens.sorted[lo:hi]``, those starting with ``data[i]``): its covers of every longer prefix,
+        and the histories it makes."""
+        p = np.exp(entries)
+        for d, a, b in spans(data, i, lo, hi, tokens, len(data)):
+            mass = float(p[a - lo:b - lo].sum())
+            if mass > 0:
+                logaddexp_at(self.prefix, i + d, lp + math.log(mass))
+            for q, t in enumerate(tokens.exact.get(data[i:i + d], ())):  # they sort first in the span
+                self.frontier.setdefault(i + d, {})[h + (t,)] = lp + float(entries[a - lo + q])
 
     def fork(self) -> Tree:
         """A copy to simulate on (``_speculate``)."""
@@ -184,17 +192,3 @@ def spans(data: bytes, i: int, lo: int, hi: int, tokens: TokenBytes, stop: int) 
             return
         yield d, a, b
         d += 1
-
-
-def grow(data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarray, lo: int, hi: int,
-          tokens: TokenBytes, prefix: np.ndarray, frontier: dict[int, dict[tuple[int, ...], float]]) -> None:
-    """History ``h`` (probability ``exp(lp)``, at boundary ``i``; ``entries``: its log-probabilities of the
-    tokens at ``tokens.sorted[lo:hi]``, those starting with ``data[i]``): its covers of every longer prefix,
-    and the histories it makes."""
-    p = np.exp(entries)
-    for d, a, b in spans(data, i, lo, hi, tokens, len(data)):
-        mass = float(p[a - lo:b - lo].sum())
-        if mass > 0:
-            logaddexp_at(prefix, i + d, lp + math.log(mass))
-        for q, t in enumerate(tokens.exact.get(data[i:i + d], ())):  # they sort first in the span
-            frontier.setdefault(i + d, {})[h + (t,)] = lp + float(entries[a - lo + q])
