@@ -34,7 +34,7 @@ def run_byte(ens, prompt: str, n: int) -> tuple[bytes, float, int]:
     try:
         while s.finished is None:
             ens.step([s])
-        rows = sum(st.histories for st in s.notes[NOTE].states.values())
+        rows = sum(st.rows for st in s.notes[NOTE].states.values())
         return bytes(s.output), time.perf_counter() - t0, rows
     finally:
         ens.close(s)
@@ -51,7 +51,7 @@ def main() -> None:
     gac = load_ensemble(config_from_models(",".join(DEFAULT_ENSEMBLE)), progress=False)
     params = {k: v for k, v in (("width", args.width), ("keep", args.keep)) if v is not None}
     if args.top:
-        params["reserve"] = False
+        params["rule"] = "top"
     byte = gac.variant(gac.options.replace(method="byte", params=params))
     rows = []
     for prompt in PROMPTS:

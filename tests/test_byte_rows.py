@@ -128,8 +128,23 @@ def test_text_bytes_run_writes_results_and_resumes(make_tiny, one_thread, text_d
     assert scored["bytes"] == items[2]["bytes"] and set(scored["rows"]) == set(items[2]["bits"])
     for row, bits in items[2]["bits"].items():
         assert abs(scored["rows"][row]["bits"] - bits) < 1e-4, row
+    assert set(scored["members"]) == {"g", "q"}  # what each member's byte model cost, beside its own scoring
+    for i, cost in enumerate(scored["members"].values()):
+        assert set(cost) == {"rows", "view_seconds", "own_seconds"} and cost["rows"] == items[2]["rows_read"][i]
     assert cli.main(["score", str(doc), "--bytes", "--json"]) == 0  # no fit: the members' weights, no gate
     assert set(json.loads(capsys.readouterr().out)["rows"]) == set(items[2]["bits"]) - {"byte-gate"}
+    # the pruning as flags: the top rule reads more rows than the run's (the default, defer)
+    assert res["rule"] == "defer" and res["keep"] == 2e-3
+    assert cli.main(["score", str(doc), "--bytes", "--json", "--rule", "top", "--keep", "0.01"]) == 0
+    top = json.loads(capsys.readouterr().out)["members"]
+    assert all(top[m]["rows"] > scored["members"][m]["rows"] for m in top)
+    assert cli.main(["score", str(doc), "--bytes", "--width", "two"]) != 0
+    assert "--width: expected a positive number or none, got 'two'" in capsys.readouterr().err
+    assert cli.main(["score", str(doc), "--bytes", "--keep", "2"]) != 0
+    assert "--keep: expected 0 <= keep < 1, got 2.0" in capsys.readouterr().err
+    # a run's views are all made with one pruning: resuming with another is refused, naming the flags
+    assert cli.main(args + ["--rule", "top"]) != 0
+    assert "resume it with the same pruning (--keep 0.002 --width 1 --rule defer" in capsys.readouterr().err
     assert cli.main(["score", str(doc), "--fitted", fit]) != 0
     assert "the fit of a text-bytes run; score its byte rows with --bytes" in capsys.readouterr().err
     assert cli.main(["score", str(doc), "--bytes", "--pieces"]) != 0

@@ -1,4 +1,4 @@
-"""A member as a byte-level model (alignment/byteview.py), against brute force on the real tokenizers:
+"""A member as a byte-level model (alignment/bytemodel.py, scored by alignment/byteview.py), against brute force on the real tokenizers:
 random models whose mass lies on the tokens spelled from a small alphabet (and END), every string of
 each length 1..MAX_LEN; and tiny random transformers, a whole document against the sum over its
 tokenizations."""
@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from tokenfuse.alignment.byteview import TokenBytes, score_bytes
+from tokenfuse.alignment.bytemodel import ByteModel, Pruning
+from tokenfuse.alignment.bytetree import TokenBytes
+from tokenfuse.alignment.byteview import score_bytes
 from tokenfuse.engine.text_features import Rows, doc_features, primary_tokens
 
 ALPHABET = b"ab"
@@ -131,8 +133,9 @@ def test_exact_view_is_the_brute_force_for_every_string(fake, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("prune", [dict(keep=0.0, width=None, smooth=0.0), dict(smooth=0.0),
-                                   dict(keep=0.05, width=1, smooth=0.0)])
+@pytest.mark.parametrize("prune", [dict(keep=0.0, width=None, smooth=0.0), dict(smooth=0.0, rule="top"),
+                                   dict(smooth=0.0, fallback=0.0), dict(keep=0.05, width=1, smooth=0.0, rule="top"), dict(keep=0.05, width=1, smooth=0.0, rule="defer", fallback=0.0),
+                                   dict(keep=0.2, width=2, smooth=0.0, rule="defer", fallback=0.0)])
 def test_every_view_is_a_distribution_over_byte_strings(fake, family, prune):
     """Exact or pruned, the view's probabilities of all strings of length ``n`` plus those of ending
     after each shorter string sum to 1, for every ``n`` up to MAX_LEN."""
@@ -145,11 +148,13 @@ def test_every_view_is_a_distribution_over_byte_strings(fake, family, prune):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("prune", [dict(smooth=0.0, reserve=True), dict(keep=0.05, width=1, smooth=0.0, reserve=True)])
-def test_every_reserve_view_is_a_distribution(fake, family, prune):
-    """The reserve rule gives every one of the 257 outcomes a share: after each string of length < 4
-    over the alphabet and after one with a byte the model never spells, the next byte's probabilities
-    over all 256 bytes and the end's sum to 1."""
+@pytest.mark.parametrize("prune", [dict(smooth=0.0, rule="reserve"), dict(keep=0.05, width=1, smooth=0.0, rule="reserve"),
+                                   dict(keep=0.05, width=1, rule="defer"), dict(keep=0.2, width=1, smooth=0.0, rule="defer"),
+                                   dict(keep=0.2, width=1, smooth=0.0, rule="defer", fallback=0.05)])
+def test_every_reserve_and_defer_view_is_a_distribution(fake, family, prune):
+    """Under the reserve and defer rules, after each string of length < 4 over the alphabet and after
+    one with a byte the model never spells, the next byte's probabilities over all 256 bytes and the
+    end's sum to 1 (scored byte by byte: a deferred history's row read only where it is needed)."""
     rows = fake[family]
     for s in [x for n in range(4) for x in _strings(n)] + [b"abzb"]:
         total = math.exp(_view(rows, s, **prune).end)
@@ -163,18 +168,37 @@ def test_the_reserve_gives_a_byte_no_kept_history_spells_a_share_and_reseeds(fak
     reserve's ``1/257`` share, and after it the re-seeded history predicts the alphabet as the model
     does (well above the reserve's ``1/257``); exact (nothing dropped, no reserve), ``z`` has no mass."""
     rows = fake[family]
-    v = _view(rows, b"abzab", keep=0.05, width=1, smooth=0.0, reserve=True)
+    v = _view(rows, b"abzab", keep=0.05, width=1, smooth=0.0, rule="reserve")
     assert np.all(np.isfinite(v.logprobs)) and v.logprobs[2] < -math.log(257)
     assert np.all(v.logprobs[3:] > -math.log(257) + 2)
-    assert _view(rows, b"abzab", keep=0.0, width=None, smooth=0.0, reserve=True).logprobs[2] == -math.inf
+    assert _view(rows, b"abzab", keep=0.0, width=None, smooth=0.0, rule="reserve").logprobs[2] == -math.inf
 
 
-def test_the_reserve_reads_fewer_rows_than_the_top_rule(fake):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_defer_rule_reads_a_deferred_row_only_where_nothing_read_spells_the_byte(fake, family):
+    """With a high ``keep`` most boundaries' histories are deferred: scoring reads a deferred row only
+    at the bytes no history read spells (``ByteScore.deferrals``), the rest of the deferred mass going
+    nowhere the text went; the whole next-symbol distribution (which reads every deferred row) gives
+    each byte the same probability, within 1e-12."""
+    rows = fake[family]
+    tokens = TokenBytes(rows.codec.token_bytes)
+    s = b"abbabaabbab"
+    v = _view(rows, s, keep=0.3, width=1, smooth=0.0, rule="defer")
+    assert v.deferrals < len(s)
+    model = ByteModel(tokens, rows.start, rows.entries, Pruning(keep=0.3, width=1, smooth=0.0, rule="defer"))
+    for n, b in enumerate(s):
+        assert math.isclose(model.next_distribution()[b], v.logprobs[n], rel_tol=0, abs_tol=1e-12)
+        model.advance(b)
+    assert model.rows > v.rows
+
+
+@pytest.mark.parametrize("rule", ["defer", "reserve"])
+def test_the_defer_and_reserve_rules_read_fewer_rows_than_the_top_rule(fake, rule):
     rows = fake["qwen"]
     s = b"abbabaabba"
-    top, res = _view(rows, s, keep=0.05, width=1), _view(rows, s, keep=0.05, width=1, reserve=True)
-    assert res.histories < top.histories == len(s)  # the top rule: a row at every boundary
-    assert np.all(np.isfinite(res.logprobs))
+    top, other = _view(rows, s, keep=0.05, width=1, rule="top"), _view(rows, s, keep=0.05, width=1, rule=rule)
+    assert other.rows < top.rows == len(s) + 1  # the top rule: a row at every boundary, and the end's
+    assert np.all(np.isfinite(other.logprobs))
 
 
 def test_pruning_reports_what_it_left_out_and_reads_fewer_rows(fake):
@@ -182,7 +206,7 @@ def test_pruning_reports_what_it_left_out_and_reads_fewer_rows(fake):
     s = b"abba"
     exact, pruned = _view(rows, s, keep=0.0, width=None, smooth=0.0), _view(rows, s, keep=0.05, width=1)
     assert exact.pruned == 0.0 and pruned.pruned > 0.0
-    assert pruned.histories < exact.histories
+    assert pruned.rows < exact.rows
 
 
 def test_the_two_path_rule_is_not_a_distribution(fake):
@@ -224,39 +248,43 @@ def _counted(take):
     return counted, calls
 
 
-@pytest.mark.parametrize("reserve", [False, True])
+@pytest.mark.parametrize("rule", ["top", "defer", "reserve"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_growing_the_tree_ahead_is_a_cache_only(fake, family, reserve):
-    """``speculate`` (the tree grown ahead on the rows read, every row it lacks read in one call) changes
-    no number, bit for bit, on random strings under both rules, and gathers reads into fewer calls."""
+def test_reading_ahead_is_a_cache_only(fake, family, rule):
+    """``Lookahead`` (the chain's rows in one call, then the histories off it that pruning could keep)
+    changes no number, bit for bit, on random strings under every rule, and gathers reads into fewer
+    calls than reading each boundary's rows when the model needs them."""
     rows = fake[family]
     tokens = TokenBytes(rows.codec.token_bytes)
     rng = np.random.default_rng(3)
-    n_calls = {0: 0, 64: 0}
+    n_calls = {"none": 0, "chain": 0, "all": 0}
     for n in (9, 40, 120):
         s = bytes(rng.choice(list(ALPHABET), size=n).tolist())
         own = primary_tokens(rows.codec, s.decode())
         got = {}
-        for ahead in n_calls:
+        for how in n_calls:
             take, calls = _counted(rows.entries)
-            got[ahead] = score_bytes(s, tokens, rows.start, take, chain=own, keep=1e-2, width=1, end=True,
-                                     reserve=reserve, speculate=ahead)
-            n_calls[ahead] += len(calls)
-        assert got[64].logprobs.tolist() == got[0].logprobs.tolist() and got[64].end == got[0].end
-        assert got[64].histories == got[0].histories and got[64].pruned == got[0].pruned
-    assert n_calls[64] < n_calls[0]
+            got[how] = score_bytes(s, tokens, rows.start, take, chain=own if how != "none" else (), keep=1e-2,
+                                   width=1, end=True, rule=rule, prefetch=how == "all")
+            n_calls[how] += len(calls)
+        for how in ("chain", "all"):
+            assert got[how].logprobs.tolist() == got["none"].logprobs.tolist() and got[how].end == got["none"].end
+            assert got[how].rows == got["none"].rows and got[how].pruned == got["none"].pruned
+    assert n_calls["all"] < n_calls["none"]
 
 
-def test_growing_the_tree_ahead_on_a_tiny_transformer(make_tiny, one_thread):
+@pytest.mark.parametrize("rule", ["top", "defer"])
+def test_reading_ahead_on_a_tiny_transformer(make_tiny, one_thread, rule):
     """The same on a tiny transformer's rows and a text of several tokenizations (its own tokens as the
     chain), to float32 rounding: a row's numbers depend on which lists share its forward."""
     rows = Rows.from_member(make_tiny("gemma3", seed=2, name="gemma3"))
     tokens = TokenBytes(rows.codec.token_bytes)
     doc = "The reasoning is done: 3.14159 * r ** 2, Omit, omit.".encode()
     own = primary_tokens(rows.codec, doc.decode())
-    got = [score_bytes(doc, tokens, rows.start, rows.entries, chain=own, speculate=ahead) for ahead in (0, 8, 64)]
+    got = [score_bytes(doc, tokens, rows.start, rows.entries, chain=chain, prefetch=ahead, rule=rule)
+           for chain, ahead in (((), False), (own, False), (own, True))]
     for g in got[1:]:
-        assert g.histories == got[0].histories
+        assert g.rows == got[0].rows
         np.testing.assert_allclose(g.logprobs, got[0].logprobs, rtol=0, atol=1e-5)
 
 
@@ -324,7 +352,7 @@ def test_a_reader_keeps_states_and_gives_the_same_numbers(make_tiny, one_thread,
     plain = score_bytes(doc, tokens, rows.start, rows.entries, chain=own, keep=0.0, width=3, end=True)
     with rows.reader() as take:
         held = score_bytes(doc, tokens, rows.start, take, chain=own, keep=0.0, width=3, end=True)
-    assert held.histories == plain.histories > len(own)
+    assert held.rows == plain.rows > len(own)
     np.testing.assert_allclose(held.logprobs, plain.logprobs, rtol=0, atol=1e-5)
     assert abs(held.end - plain.end) < 1e-5
 
@@ -336,7 +364,7 @@ def test_a_pruned_tree_gives_every_byte_mass_and_smoothing_mixes_in_the_uniform(
     rows = Rows.from_member(make_tiny("smollm2", seed=5, name="smollm2"))
     tokens = TokenBytes(rows.codec.token_bytes)
     doc = b"ab, ba ab"
-    raw = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3, smooth=0.0)
-    smooth = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3)
+    raw = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3, smooth=0.0, rule="top")
+    smooth = score_bytes(doc, tokens, rows.start, rows.entries, keep=1e-4, width=3, rule="top")
     assert np.all(np.isfinite(raw.logprobs)) and np.all(np.isfinite(smooth.logprobs))
     np.testing.assert_allclose(np.exp(smooth.logprobs), (1 - 1e-6) * np.exp(raw.logprobs) + 1e-6 / 257, rtol=1e-12)

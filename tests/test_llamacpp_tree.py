@@ -130,7 +130,7 @@ def test_a_byte_view_read_through_the_tree_is_deterministic_and_near_the_state_r
         with rows.reader() as take:
             runs.append(score_bytes(data, tokens, rows.start, take, chain=chain, keep=1e-2, width=1))
     assert np.array_equal(runs[0].logprobs, runs[1].logprobs)
-    assert runs[0].histories == runs[1].histories
+    assert runs[0].rows == runs[1].rows
     plain = Rows("plain", m.codec, rows.start, rows.fn, rows.take)  # no held reader: every read a fresh prefill
     with plain.reader() as take:
         ref = score_bytes(data, tokens, rows.start, take, chain=chain, keep=1e-2, width=1)
@@ -138,14 +138,19 @@ def test_a_byte_view_read_through_the_tree_is_deterministic_and_near_the_state_r
     assert np.array_equal(runs[0].chain, ref.chain)  # the chain's rows are one prefill's in both
 
 
-def test_a_view_keeps_mass_where_the_members_longer_tokens_all_miss(llamacpp_members):
+@pytest.mark.parametrize("rule", ["top", "defer"])
+def test_a_view_keeps_mass_where_the_members_longer_tokens_all_miss(llamacpp_members, rule):
     """`` Omit`` is no Qwen token: after ``, O`` most of the prefix mass is on longer tokens (`` Omega``,
     ...) that the next byte kills, and only the history ending at `` O`` goes on. A tree that dropped it
-    (below ``keep`` of that mass) gave every later byte no mass; a boundary's most probable history is
-    always kept."""
+    (below ``keep`` of that mass) gave every later byte no mass; the top rule always keeps a boundary's
+    most probable history, the defer rule gives its mass to the bytes no history read spells (and reads
+    fewer rows)."""
     m = llamacpp_members["qwen"]
     text = "from typing import Any\n\nfrom openai import AsyncOpenAI, AsyncStream, Omit, omit\n"  # 9 bytes of no mass before
     rows, tokens = Rows.from_member(m), TokenBytes(m.codec.token_bytes)
     with rows.reader() as take:
-        s = score_bytes(text.encode(), tokens, rows.start, take, chain=primary_tokens(m.codec, text), smooth=0.0)
+        s = score_bytes(text.encode(), tokens, rows.start, take, chain=primary_tokens(m.codec, text), smooth=0.0,
+                        rule=rule, keep=1e-2 if rule == "top" else 2e-3)
     assert np.all(np.isfinite(s.logprobs)) and s.logprobs.min() > -15
+    if rule == "defer":
+        assert s.rows < len(text.encode())

@@ -139,7 +139,7 @@ class EnsembleConfig(EnsembleOptions):
         options' rules, those that need the members' names among them, are checked first)."""
         self._adaptive_consistent()
         self._speculative_consistent()
-        if combiner_class(self.method).needs == "full":
+        if combiner_class(self.method).needs != "topk":  # full rows (the ``byte`` method's views read them too)
             for i, m in enumerate(self.members):
                 if m.backend == "openai" and m.topk_fill == "error":
                     raise ValueError(

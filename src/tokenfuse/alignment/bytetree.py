@@ -1,18 +1,25 @@
-"""The pruned tree of a member's histories along a byte string, and its parts: the member's tokens by
-their bytes, the rules for the mass pruning drops, a boundary's pruning, a history's covers. What the
-tree computes and why it is a distribution: alignment/byteview.py's docstring."""
+"""The parts of a member's byte model (alignment/bytemodel.py): the member's tokens by their bytes, where
+the mass pruning drops goes, a boundary's pruning."""
 
 from __future__ import annotations
 
 import bisect
-import copy
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 LOG257 = math.log(257)
+DEPTH = 16  # ``TokenBytes.column`` keeps the first this many bytes of every token as columns
+
+
+def logsubexp(a: float, b: float) -> float:
+    """``log(exp(a) − exp(b))`` for ``b ≤ a`` (``-inf`` when they are equal)."""
+    if b == -math.inf:
+        return a
+    if b >= a:
+        return -math.inf
+    return a + math.log1p(-math.exp(b - a))
 
 
 class TokenBytes:
@@ -31,6 +38,24 @@ class TokenBytes:
             self.exact.setdefault(b, []).append(i)
         self.token_bytes = list(token_bytes)
         self.longest = max((len(b) for b in self.sorted), default=0)
+        self.text = len(self.sorted)
+        self.row_ids = np.concatenate([self.order, self.other]).astype(np.int64)  # a whole row: text sorted, then the rest
+        self._cols: np.ndarray | None = None
+
+    def column(self, depth: int, lo: int, hi: int) -> np.ndarray:
+        """The byte at ``depth`` of the tokens at ``sorted[lo:hi]`` (``-1``: shorter), non-decreasing
+        where they share their first ``depth`` bytes (the first ``DEPTH`` bytes kept as columns, built
+        on first use)."""
+        if depth >= DEPTH:
+            return np.fromiter((b[depth] if len(b) > depth else -1 for b in self.sorted[lo:hi]),
+                               dtype=np.int16, count=hi - lo)
+        if self._cols is None:
+            lens = np.fromiter((len(b) for b in self.sorted), dtype=np.int64, count=self.text)
+            flat = b"".join(b[:DEPTH].ljust(DEPTH, b"\0") for b in self.sorted)
+            mat = np.frombuffer(flat, dtype=np.uint8).reshape(self.text, DEPTH).astype(np.int16)
+            mat[np.arange(DEPTH)[None, :] >= lens[:, None]] = -1
+            self._cols = np.ascontiguousarray(mat.T)  # [DEPTH, text]: one depth's bytes contiguous
+        return self._cols[depth, lo:hi]
 
     def span(self, r: bytes, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
         """``[a, b)``: the positions in ``sorted`` of the tokens that start with ``r`` (within ``[lo, hi)``)."""
@@ -60,16 +85,17 @@ class TokenBytes:
         return out
 
 
-class Reserve:
-    """Where the mass pruning drops goes (the module docstring). ``on`` (the reserve rule): ``lp = log R``
-    after the current boundary, and the most probable history dropped at the latest boundary that
-    dropped one (``last``, at ``at``), from which a re-seed starts. Off (the top rule): the mass is left
-    out and ``lp`` stays ``-inf``."""
+class Dropped:
+    """Where the mass pruning drops goes (alignment/bytemodel.py). It always remembers the most probable
+    history dropped at the latest boundary that dropped one (``last``, at ``at``), from which a re-seed
+    starts. With ``keeps`` (the reserve rule) the mass joins the reserve: ``lp = log R`` after the
+    current boundary; otherwise it is left out and ``lp`` stays ``-inf``."""
 
-    def __init__(self, on: bool) -> None:
-        self.on = on
+    def __init__(self, keeps: bool) -> None:
+        self.keeps = keeps
         self.lp = -math.inf
         self.last: tuple[int, ...] = ()
+        self.last_lp = 0.0  # its log-probability
         self.at = 0
 
     def step(self) -> float:
@@ -77,33 +103,35 @@ class Reserve:
         self.lp -= LOG257
         return self.lp
 
-    def drop(self, gone: float, top: tuple[int, ...] | None, at: int) -> float:
+    def drop(self, gone: float, top: tuple[int, ...] | None, at: int, top_lp: float = 0.0) -> float:
         """Histories of log-mass ``gone`` dropped at boundary ``at`` (``top``: the most probable of them,
-        ``None``: none); returns the log-mass left out (``-inf`` with the reserve on)."""
-        if not self.on or top is None:
+        ``None``: none); returns the log-mass left out (``-inf`` when the reserve keeps it)."""
+        if top is None:
+            return gone
+        self.last, self.last_lp, self.at = top, top_lp, at
+        if not self.keeps:
             return gone
         self.lp = float(np.logaddexp(self.lp, gone))
-        self.last, self.at = top, at
         return -math.inf
 
     def reseed(self, tokens: TokenBytes, data: bytes, at: int) -> tuple[tuple[int, ...], float]:
-        """The history spelling ``data[:at]`` that takes the reserve's whole mass, and that mass."""
+        """The history spelling ``data[:at]`` that re-seeds the tree, and the reserve's mass it takes."""
         h, lp = self.last + tuple(tokens.greedy(data[self.at:at])), self.lp
         self.lp = -math.inf
         return h, lp
 
 
 def boundary(cands: dict[tuple[int, ...], float] | None, covered: float, total: float, at: int, floor: float,
-             width: int | None, reserve: Reserve, tokens: TokenBytes, data: bytes
+             width: int | None, top: bool, dropped: Dropped, tokens: TokenBytes, data: bytes
              ) -> tuple[list[tuple[tuple[int, ...], float]], float, float]:
     """The histories kept at boundary ``at`` (``cands``: the candidates there, ``covered``: the kept
-    histories' covers of ``data[:at]``, ``total``: ``log P̂(data[:at])``): pruned, the rest to
-    ``reserve``, and with the reserve on its re-seed where nothing kept covers the prefix; with the
-    log-share of the prefix mass dropped and the log-mass left out."""
-    kept, gone, top = prune(cands or {}, total + floor, width, not reserve.on)
-    lost = reserve.drop(gone, top, at)
-    if reserve.on and at and covered == -math.inf and reserve.lp > -math.inf:
-        kept.append(reserve.reseed(tokens, data, at))
+    histories' covers of ``data[:at]``, ``total``: ``log P̂(data[:at])``; ``top``: the top rule): pruned,
+    the rest to ``dropped``, and with the reserve its re-seed where nothing kept covers the prefix; with
+    the log-share of the prefix mass dropped and the log-mass left out."""
+    kept, gone, best = prune(cands or {}, total + floor, width, top)
+    lost = dropped.drop(gone, best, at, cands[best] if best is not None else 0.0)
+    if dropped.keeps and at and covered == -math.inf and dropped.lp > -math.inf:
+        kept.append(dropped.reseed(tokens, data, at))
     return kept, gone - total if gone > -math.inf else -math.inf, lost
 
 
@@ -111,58 +139,6 @@ def after_prefix(r: bytes) -> bytes:
     """The smallest byte string greater than every string that starts with ``r`` (``r`` non-empty)."""
     s = r.rstrip(b"\xff")
     return s[:-1] + bytes([s[-1] + 1]) if s else b"\xff" * (len(r) + 1)
-
-
-def logaddexp_at(acc: np.ndarray, n: int, value: float) -> None:
-    acc[n] = np.logaddexp(acc[n], value)
-
-
-@dataclass
-class Tree:
-    """``score_bytes``'s pruned tree along the bytes: the kept histories' covers of each prefix
-    (``prefix``), the prefix masses with the reserve's share (``total``), the masses left out (``lost``),
-    the reserve, the candidates by boundary (``frontier``) and the largest log-share pruning dropped."""
-
-    prefix: np.ndarray
-    total: np.ndarray
-    lost: np.ndarray
-    res: Reserve
-    frontier: dict[int, dict[tuple[int, ...], float]]
-    share: float = -math.inf
-
-    @classmethod
-    def new(cls, n_bytes: int, reserve: bool) -> Tree:
-        prefix = np.full(n_bytes + 1, -math.inf)
-        prefix[0] = 0.0
-        return cls(prefix, prefix.copy(), np.full(n_bytes + 1, -math.inf), Reserve(reserve), {0: {(): 0.0}})
-
-    def boundary(self, i: int, floor: float, width: int | None, tokens: TokenBytes, data: bytes
-                 ) -> list[tuple[tuple[int, ...], float]]:
-        """The histories kept at boundary ``i`` (its candidates pruned, the prefix mass there set)."""
-        if i:
-            self.total[i] = np.logaddexp(self.prefix[i], self.res.step())
-        kept, gone, self.lost[i] = boundary(self.frontier.pop(i, None), self.prefix[i], self.total[i], i, floor,
-                                            width, self.res, tokens, data)
-        self.share = max(self.share, gone)
-        return kept
-
-    def grow(self, data: bytes, i: int, h: tuple[int, ...], lp: float, entries: np.ndarray, lo: int, hi: int,
-             tokens: TokenBytes) -> None:
-        """History ``h`` (probability ``exp(lp)``, at boundary ``i``; ``entries``: its log-probabilities of the
-        tokens at ``tokens.sorted[lo:hi]``, those starting with ``data[i]``): its covers of every longer prefix,
-        and the histories it makes."""
-        p = np.exp(entries)
-        for d, a, b in spans(data, i, lo, hi, tokens, len(data)):
-            mass = float(p[a - lo:b - lo].sum())
-            if mass > 0:
-                logaddexp_at(self.prefix, i + d, lp + math.log(mass))
-            for q, t in enumerate(tokens.exact.get(data[i:i + d], ())):  # they sort first in the span
-                self.frontier.setdefault(i + d, {})[h + (t,)] = lp + float(entries[a - lo + q])
-
-    def fork(self) -> Tree:
-        """A copy to simulate on (``_speculate``)."""
-        return Tree(self.prefix.copy(), self.total.copy(), self.lost.copy(), copy.copy(self.res),
-                     {k: dict(v) for k, v in self.frontier.items()}, self.share)
 
 
 def prune(cands: dict[tuple[int, ...], float], floor: float, width: int | None, top: bool

@@ -6,6 +6,11 @@ which rows (sequences), their outputs (full log-probabilities, or only top-k for
 and the vocabulary space. It returns a ``Dist``: probabilities over union entries, either dense
 (every union entry) or over a few candidate entries per row. The engine chooses from it.
 
+A combiner whose step is one byte (``byte``, ``needs == "bytes"``) sees each member's next-byte
+distribution instead, and its ``Dist`` is over the 256 bytes and the end (as their union entries);
+it declares what the engine cannot do around such steps (``Combiner.lacks``: gating, speculative
+decoding, the agreement skip, scoring pieces).
+
 Each combiner declares its parameters as a pydantic model (``Params``); ``get_combiner`` and
 ``validate_params`` check a method's parameters through it, so the config, the command line and
 the server's per-request options report a bad parameter the same way (``params.<key>: ...``).
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from difflib import get_close_matches
@@ -37,15 +42,22 @@ from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member, SeqState
 
 
+# What the engine may do around a combiner's steps unless it lacks it (``Combiner.lacks``): thresholded
+# mode, speculative decoding (and drafted rounds), the agreement skip, and scoring given pieces.
+FEATURES = ("gate", "speculative", "agreement_skip", "scoring")
+
+
 @dataclass
 class Dist:
     """A combined next-piece distribution for ``R`` rows.
 
-    ``probs`` is ``float32[R, C]``. ``index`` is ``int64[R, C]``: the union entry of each column, or
-    ``None`` when the columns are the union itself (``C == len(union)``). Padding columns have
-    probability 0. ``terms``: named per-column numbers ``[R, C]`` the combiner computed the
-    probabilities from (NaN where a column has none), which a traced step reports for the chosen
-    piece (contrast: the expert's and the amateurs' log-probabilities and the score).
+    ``probs`` is ``float32[R, C]`` (``float64`` for a step over bytes, ``needs == "bytes"``).
+    ``index`` is ``int64[R, C]``: the union entry of each column, or ``None`` when the columns are the
+    union itself (``C == len(union)``). Padding columns, and columns that stand for no union entry
+    (``-1``: a byte no member holds as a token), have probability 0. ``terms``: named per-column
+    numbers ``[R, C]`` the combiner computed the probabilities from (NaN where a column has none),
+    which a traced step reports for the chosen piece (contrast: the expert's and the amateurs'
+    log-probabilities and the score).
     """
 
     probs: torch.Tensor
@@ -88,7 +100,9 @@ class StepView:
         states: per computed member, its ``SeqState`` of every row.
         computed: the computed members (indices into ``models``), in ensemble order.
         weights: their raw weights.
-        logprobs: full ``float32[R, V_i]`` log-probabilities per member (``needs == "full"``).
+        logprobs: full ``float32[R, V_i]`` log-probabilities per member (``needs == "full"``); with
+            ``needs == "bytes"`` each member's next-symbol distribution ``float64[R, 257]`` (natural
+            logs of the bytes 0..255 and, at 256, the end: its byte-level view).
         topk: ``(logprobs float32[R, k], ids int64[R, k])`` per member (``needs == "topk"``).
         stage: the engine's stage timer (``stage("align")`` is a context manager).
         log_factors: per member, a per-row log weight factor ``float64[R]`` from the step decision's
@@ -97,6 +111,9 @@ class StepView:
             untraced rows, nothing reshapes it): a combiner may return a ``Dist`` over a few
             candidate columns, provided each row's largest one is the whole distribution's argmax
             with no tie (``sparse_average``).
+        allowed: ``bool[R, C]``, the outcomes the engine lets a step choose where it restricts them
+            (a step over bytes: those that keep the output whole UTF-8 text), ``None`` otherwise; the
+            combined distribution gives the others probability 0.
     """
 
     space: VocabSpace
@@ -109,6 +126,7 @@ class StepView:
     stage: Callable[[str], AbstractContextManager] = _untimed
     log_factors: dict[int, torch.Tensor] = field(default_factory=dict)
     argmax_only: bool = False
+    allowed: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -136,17 +154,22 @@ class Combiner(ABC):
     Class attributes:
         name: the registered method name.
         Params: the pydantic model of the method's parameters (``extra="forbid"``).
-        needs: ``"full"`` (every member's whole distribution) or ``"topk"`` (only ``self.k`` most
-            likely tokens per member plus log-probabilities of named ids: members that expose only
-            top-k log-probabilities, such as remote servers, can take part).
+        needs: what a step reads of each member: ``"full"`` (its whole next-token distribution),
+            ``"topk"`` (only ``self.k`` most likely tokens plus log-probabilities of named ids: members
+            that expose only top-k log-probabilities, such as remote servers, can take part) or
+            ``"bytes"`` (its next-byte distribution, from its byte-level view read on its full rows:
+            the step chooses one byte or the end, ``byte``; the engine's ``bytegen.ByteDecider``
+            reads them).
         exact_agreement: with greedy decoding, when every computed member's most likely union
             entry is the same, the combined distribution's argmax is that entry, so the engine may
             skip alignment and combination for the step (agreement skip) without changing output.
             A combiner may set it per instance from its parameters (``contrast``: only for β = 0).
         adaptive: it takes the step decision's adaptive parameters (``tokenfuse.engine.strategies``)
             besides its own: its average takes per-row weights (``weights``).
-        unit: what a step chooses: ``"piece"`` (a union entry, from ``combine``) or ``"byte"`` (the
-            ``byte`` method: the engine generates byte by byte, ``tokenfuse.engine.bytegen``).
+        lacks: what the engine cannot do around the method's steps (``FEATURES``), each with the
+            error a request for it gets. The options refuse ``gate`` and ``speculative``, scoring
+            (``loglikelihood``, prompt logprobs) refuses ``scoring``, and a lacked ``agreement_skip`` is
+            off even where the options set it; ``can`` and ``refuse`` ask.
     """
 
     name: ClassVar[str]
@@ -154,11 +177,24 @@ class Combiner(ABC):
     needs: ClassVar[str] = "full"
     exact_agreement: ClassVar[bool] = True
     adaptive: ClassVar[bool] = False
-    unit: ClassVar[str] = "piece"
+    lacks: ClassVar[Mapping[str, str]] = {}
     k: int = 0
 
     def __init__(self, params: BaseModel | None = None) -> None:
         self.params = params if params is not None else self.Params()
+
+    @classmethod
+    def can(cls, feature: str) -> bool:
+        """Whether the engine may do ``feature`` (one of ``FEATURES``) around this method's steps."""
+        if feature not in FEATURES:
+            raise ValueError(f"feature: expected one of {', '.join(FEATURES)}, got {feature!r}")
+        return feature not in cls.lacks
+
+    @classmethod
+    def refuse(cls, feature: str) -> None:
+        """Raise the ``ConfigError`` the method declares for ``feature`` where it lacks it (``lacks``)."""
+        if not cls.can(feature):
+            raise ConfigError(cls.lacks[feature])
 
     def bind(self, setup: Setup) -> None:
         """Called once by the ensemble that uses the combiner (precompute tables here)."""

@@ -1,47 +1,55 @@
-"""The ``byte`` method's steps: every member as a byte-level model, one byte (or the end) chosen per step.
+"""The ``byte`` method's step decision: every member as a byte-level model, one byte (or the end) per step.
 
-``ByteDecider`` stands in for ``decide.Decider`` when the method's unit is a byte
-(``combiners/bytemix.py``). On ``admit`` each sequence gets, for every member with a positive weight,
-a ``ByteState`` after the member's prompt ids (``tokenfuse.alignment.bytestate``), reading its rows on
-sequence states of its own (``text_features.state_reader``: a member's KV cache per live branch, so the
-row after one more token of a branch is one token's forward; on the bundled llama.cpp members this was
-measured faster for generation than the backend's tree reader of scoring), released by ``release``.
-Each step (``decide``):
+A combiner that ``needs == "bytes"`` (``combiners/bytemix.py``) is decided by ``ByteDecider``, a
+``decide.Decider`` whose members' outputs are their next-byte distributions: the same loop
+(``Decider.decide``: groups, combination, choice, trace; the ``Ensemble`` steps, stops and streams it
+as every method), with these parts of its own:
 
-1. every such member's 257-way distribution of the next symbol (those that read a row in the member
-   threads, timed as ``forward``), mixed by the method (``ByteMix.mix``: mixture or product, normalised weights);
-2. masked (timed as ``combine``) to the outcomes that keep the output whole UTF-8 text: a byte that
-   cannot continue the output's unfinished character (or start a character) has probability 0, the
-   end is impossible inside a character, a lead byte whose character would not fit in the bytes the
-   length limit leaves is impossible (so ``max_new_tokens`` counts bytes and the output never ends in
-   a cut character), as is a byte that is not a union entry; then renormalised (all of them
-   impossible: uniform over the allowed);
-3. chosen (``choose``): greedy takes the argmax (ties to the smaller byte; the end is last); sampling
-   shapes the distribution as every method's (``sampling.sampled_probs``: temperature, top-k, top-p)
-   and takes its inverse CDF at one uniform from the sequence's generator — exactly a draw from it.
+- ``admit`` gives each sequence just opened, for every member with a positive weight, a ``ByteModel``
+  after the member's prompt ids (``tokenfuse.alignment.bytemodel``; built in ``byte_states`` alone),
+  reading its rows on sequence states of its own (``text_features.state_reader``: a member's KV cache
+  per live branch, so the row after one more token of a branch is one token's forward; on the bundled
+  llama.cpp members this was measured faster for generation than the backend's tree reader of
+  scoring); ``release`` frees them;
+- ``forward``: every such member's 257-way distribution of the next symbol on every row (the members
+  that read a row in the member threads, timed as ``forward``), as its ``MemberOutput``;
+- ``view`` adds the outcomes allowed (timed as ``combine``): those that keep the output whole UTF-8
+  text: a byte that cannot continue the output's unfinished character (or start a character) is not,
+  nor the end inside a character, nor a lead byte whose character would not fit in the bytes the
+  length limit leaves (so ``max_new_tokens`` counts bytes and the output never ends in a cut
+  character); the combiner (``ByteMix.combine``: mixture or product, normalised weights) mixes the
+  members over the 257 outcomes, masks the others (and bytes that are no union entry) and renormalises
+  (``distribution``: always the combiner's, a member alone too);
+- ``choose``: greedy takes the argmax (ties to the smaller byte; the end is last); sampling shapes the
+  distribution as every method's (``sampling.sampled_probs``: temperature, top-k, top-p) and takes its
+  inverse CDF at one uniform from the sequence's generator — exactly a draw from it; every byte state
+  of the sequence then advances by the byte;
+- a traced step (``_traced``) records the masked mixture's probability of the byte, its top entries
+  and each member's own byte-level probabilities.
 
 The chosen byte is the union entry of that one byte, so the sequence appends, stops (END, stop strings
-trimmed, the length limit) and hands out text as for any method (``sequence.OpenSequence``); a traced
-step records the masked mixture's probability of the byte, its top entries and each member's own
-byte-level probabilities. ``Generation.steps`` counts bytes.
+trimmed, the length limit) and hands out text as for any method (``sequence.OpenSequence``).
+``Generation.steps`` counts bytes. What cannot apply to byte steps (gating, speculative decoding, the
+agreement skip, scoring pieces) the combiner declares (``Combiner.lacks``).
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from tokenfuse.alignment.bytestate import END_SYMBOL, ByteState, ByteTable
+from tokenfuse.alignment.bytemodel import END_SYMBOL, ByteModel
 from tokenfuse.alignment.byteview import TokenBytes
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
-from tokenfuse.combiners.bytemix import ByteMix
-from tokenfuse.engine.pool import MemberPool
+from tokenfuse.combiners.base import Combiner, Dist, StepView
+from tokenfuse.engine.decide import Decider
+from tokenfuse.engine.options import EnsembleOptions
+from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import Sampling, sampled_probs
 from tokenfuse.engine.sequence import Decision, OpenSequence
 from tokenfuse.engine.sync import incomplete_tail
@@ -51,7 +59,7 @@ from tokenfuse.engine.trace import MemberStep, StepRecord, TopEntry, end_text
 from tokenfuse.members.base import Member
 
 NOTE = "byte"  # the key of a sequence's byte states in ``OpenSequence.notes``
-_TABLES: dict[str, ByteTable] = {}  # by tokenizer (``ByteCodec.fingerprint``)
+_TOKENS: dict[str, TokenBytes] = {}  # by tokenizer (``ByteCodec.fingerprint``)
 
 
 def utf8_allowed(tail: bytes, room: int) -> np.ndarray:
@@ -92,101 +100,116 @@ def choose(q: np.ndarray, sampling: Sampling, generator: torch.Generator | None)
 
 @dataclass
 class ByteSequence:
-    """What one sequence of the ``byte`` method holds: a ``ByteState`` per member computed (by member
+    """What one sequence of the ``byte`` method holds: a ``ByteModel`` per member computed (by member
     index) and the member readers they read through (closed by ``ByteDecider.release``)."""
 
-    states: dict[int, ByteState]
+    states: dict[int, ByteModel]
     readers: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
 
-class ByteDecider:
-    """Decides one byte per step for sequences of the ``byte`` method (module docstring); the
-    ``Ensemble`` calls it as it calls a ``Decider`` (``admit``, ``decide``, ``release``)."""
+class ByteDecider(Decider):
+    """The step decision of a combiner that ``needs`` the members' next-byte distributions: the
+    ``Decider``'s loop, its members' outputs and choice those of bytes (module docstring)."""
 
-    rounds = None  # no drafted rounds
+    def __init__(self, members: Sequence[Member], space: VocabSpace, combiner: Combiner, pool: MemberPool,
+                 timer: StageTimer, options: EnsembleOptions, *, primary: int) -> None:
+        super().__init__(members, space, combiner, pool, timer, options, primary=primary)
+        self.tokens: dict[int, TokenBytes] = {}
 
-    def __init__(self, members: Sequence[Member], space: VocabSpace, combiner: ByteMix, pool: MemberPool,
-                 timer: StageTimer, *, primary: int) -> None:
-        self.members = list(members)
-        self.space, self.combiner, self.pool, self.timer = space, combiner, pool, timer
-        self.primary = primary
-        self.computed = [i for i, m in enumerate(self.members) if m.weight > 0]
-        self.tables: dict[int, ByteTable] = {}
-        self.entries = np.array([_entry(space, b) for b in range(256)], dtype=np.int64)  # -1: not in the union
-
-    def table(self, i: int) -> ByteTable:
-        """Member ``i``'s ``ByteTable``, built when a sequence first needs it (once per tokenizer: the
+    def table(self, i: int) -> TokenBytes:
+        """Member ``i``'s ``TokenBytes``, built when a sequence first needs it (once per tokenizer: the
         server's per-request ensembles share it)."""
-        if i not in self.tables:
+        if i not in self.tokens:
             codec = self.members[i].codec
-            if codec.fingerprint not in _TABLES:
-                _TABLES[codec.fingerprint] = ByteTable(TokenBytes(codec.token_bytes))
-            self.tables[i] = _TABLES[codec.fingerprint]
-        return self.tables[i]
+            if codec.fingerprint not in _TOKENS:
+                _TOKENS[codec.fingerprint] = TokenBytes(codec.token_bytes)
+            self.tokens[i] = _TOKENS[codec.fingerprint]
+        return self.tokens[i]
 
     def admit(self, s: OpenSequence) -> None:
-        """Give a sequence just opened its byte states, one per member computed, after its prompt ids."""
+        """The strategies' ``admit``, then the sequence's byte states (``byte_states``)."""
+        super().admit(s)
+        s.notes[NOTE] = self.byte_states(s)
+
+    def byte_states(self, s: OpenSequence) -> ByteSequence:
+        """A ``ByteModel`` per member computed, after the sequence's prompt ids, each on a reader of its own."""
         p = self.combiner.params
         seq = ByteSequence({})
         try:
-            for i in self.computed:
+            for i in self.computed():
                 start = list(s.states[i].prompt_ids)
                 take = seq.readers.enter_context(state_reader(self.members[i], start))
-                seq.states[i] = ByteState(self.table(i), start, take, keep=p.keep, width=p.width, smooth=p.smooth,
-                                         reserve=p.reserve)
+                seq.states[i] = ByteModel(self.table(i), start, take, p.pruning)
         except BaseException:
             seq.readers.close()
             raise
-        s.notes[NOTE] = seq
+        return seq
 
     def release(self, s: OpenSequence) -> None:
         """Free a sequence's byte states and their member readers (safe to call twice)."""
+        super().release(s)
         seq = s.notes.pop(NOTE, None)
         if seq is not None:
             seq.readers.close()
 
-    def decide(self, seqs: list[OpenSequence]) -> list[Decision]:
-        return [self._decide(s) for s in seqs]
+    def forward(self, which: list[int], seqs: list[OpenSequence], *, trace_k: int = 0) -> dict[int, MemberOutput]:
+        """Members ``which``'s next-symbol distributions on ``seqs`` (``float64[R, 257]`` each; timed as
+        ``forward``): those that read a row now in threads, the others here."""
+        if not seqs:
+            return {}
+        self.prepare(seqs)
+        states = [s.notes[NOTE].states for s in seqs]
+        with self.timer.stage("forward"):
+            dists = self.pool.run([i for i in which if any(st[i].pending for st in states)],
+                                  lambda i: [st[i].next_distribution() for st in states])
+            dists |= {i: [st[i].next_distribution() for st in states] for i in which if i not in dists}
+        return {i: MemberOutput(logprobs=torch.from_numpy(np.stack(dists[i]))) for i in which}
 
-    def _decide(self, s: OpenSequence) -> Decision:
-        states = s.notes[NOTE].states
-        with self.timer.stage("forward"):  # the members that read a row now in threads, the others here
-            dists = self.pool.run([i for i in states if states[i].pending], lambda i: states[i].next_distribution())
-            dists |= {i: states[i].next_distribution() for i in states if i not in dists}
+    def view(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput],
+             pick: torch.Tensor | None = None) -> StepView:
+        """The combiner's view, with each row's outcomes that keep the output whole UTF-8 text (``allowed``)."""
+        view = super().view(seqs, members, outs, pick)
         with self.timer.stage("combine"):
-            q = self.combiner.mix([dists[i] for i in states], [self.members[i].weight for i in states])
-            last = bytes(s.output[-4:])
-            ok = utf8_allowed(last[len(last) - incomplete_tail(last):], s.max_new_tokens - s.steps)
-            ok[:256] &= self.entries >= 0
-            q = np.where(ok, q, 0.0)
-            mass = q.sum()
-            q = q / mass if mass > 0 else ok / ok.sum()
-        with self.timer.stage("choose"):
-            sym = choose(q, s.sampling, s.generator)
-        if sym != END_SYMBOL:
-            for st in states.values():
-                st.advance(sym)
-        entry = END if sym == END_SYMBOL else int(self.entries[sym])
-        rec = self._record(s, q, dists, sym) if s.trace is not None else None
-        return Decision(entry, ensembled=len(states) > 1, trace=rec)
+            view.allowed = torch.from_numpy(np.stack([_allowed(s) for s in seqs]))
+        return view
 
-    def _record(self, s: OpenSequence, q: np.ndarray, dists: dict[int, np.ndarray], sym: int) -> StepRecord:
-        """A traced step: the masked mixture's probability of ``sym`` and top entries, and each member's own."""
+    def distribution(self, view: StepView, members: list[int]) -> Dist:
+        """The combiner's distribution over the 257 outcomes (a member alone is masked too)."""
+        with self.timer.stage("combine"):
+            return self.combiner.combine(view)
+
+    def choose(self, dist: Dist, rows: list[int], seqs: list[OpenSequence]) -> list[int]:
+        """The entry of the symbol chosen in each of ``dist``'s ``rows`` (``choose``, module docstring);
+        each sequence's byte states advance by its byte."""
+        got = []
+        for row, s in zip(rows, seqs):
+            sym = choose(dist.probs[row].numpy(), s.sampling, s.generator)
+            if sym != END_SYMBOL:
+                for st in s.notes[NOTE].states.values():
+                    st.advance(sym)
+            got.append(dist.entry(row, sym))
+        return got
+
+    def _traced(self, d: Decision, dist: Dist, j: int, outs: dict[int, MemberOutput], r: int,
+                s: OpenSequence) -> Decision:
+        """A traced step: the masked mixture's probability of the byte and top entries, and each member's own."""
+        sym = END_SYMBOL if d.entry == END else self.space.piece(d.entry)[0]
+        q, dists = dist.probs[j].numpy(), {i: o.logprobs[r].numpy() for i, o in outs.items()}
         k, end = s.trace.options.k, end_text(self.members[self.primary])
         members: tuple[MemberStep, ...] = ()
         if s.trace.options.members:
             members = tuple(
                 MemberStep(m.name, True, True, float(np.exp(dists[i][sym])), _top(np.exp(dists[i]), k, end))
                 if i in dists else MemberStep(m.name, False, False) for i, m in enumerate(self.members))
-        return StepRecord(token=_symbol_text(sym, end), end=sym == END_SYMBOL, prob=float(q[sym]), top=_top(q, k, end),
-                          gated=False, ensembled=len(dists) > 1, skipped=False, members=members)
+        rec = StepRecord(token=_symbol_text(sym, end), end=sym == END_SYMBOL, prob=float(q[sym]), top=_top(q, k, end),
+                         gated=False, ensembled=len(dists) > 1, skipped=False, members=members)
+        return replace(d, trace=rec)
 
 
-def _entry(space: VocabSpace, b: int) -> int:
-    """The union entry of the one byte ``b`` (``-1`` when no member has it as a token)."""
-    pieces, one = space.union.pieces, bytes([b])
-    at = bisect.bisect_left(pieces, one, 1)  # entries after END are sorted by their bytes
-    return at if at < len(pieces) and pieces[at] == one else -1
+def _allowed(s: OpenSequence) -> np.ndarray:
+    """``utf8_allowed`` after the sequence's output, with the bytes its length limit leaves."""
+    last = bytes(s.output[-4:])
+    return utf8_allowed(last[len(last) - incomplete_tail(last):], s.max_new_tokens - s.steps)
 
 
 def _symbol_text(sym: int, end: str) -> str:

@@ -22,6 +22,12 @@ boundary); one may have generation run in drafted rounds (``rounds``: SAFE; the 
 are ``speculative.Speculator``'s, which decides the triggered positions with ``decide_given``).
 This module only orchestrates.
 
+The members' outputs are what the combiner ``needs`` of them: next-token log-probabilities (whole or
+top-k), or for a combiner that chooses bytes (``byte``) every member's next-byte distribution, which
+``bytegen.ByteDecider`` (this ``Decider`` with the members' outputs, the choice and the step record of
+bytes) reads from the sequences' byte-level views. What a combiner lacks (``Combiner.lacks``: the
+agreement skip here) is off.
+
 A traced sequence (``OpenSequence.trace``) also gets a ``StepRecord`` in its ``Decision`` (``trace.py``):
 its group is then combined on agreement-skipped rows too (for the record only) and top-k members
 are asked for at least the trace's k tokens. Untraced groups do none of this.
@@ -63,7 +69,7 @@ class Decider:
         self.pool = pool
         self.timer = timer
         self.primary = primary
-        self.agreement_skip = options.agreement_skip
+        self.agreement_skip = options.agreement_skip if combiner.can("agreement_skip") else False
         self.strategies: list[Strategy] = build_strategies(options)
         for st in self.strategies:
             st.bind(self)

@@ -7,8 +7,8 @@ shared between members. Where each part lives:
 
 - ``sequence.OpenSequence``: one sequence's member states, output, stops, finishing and text out;
 - ``decide.Decider``: which members run, agreement skip, combination and choice (a ``sequence.Decision``);
-- ``bytegen.ByteDecider``: in its place for the ``byte`` method (one byte per step, the members'
-  byte-level views; no scoring of pieces);
+  for a combiner that ``needs`` the members' next-byte distributions (the ``byte`` method: one byte per
+  step) its ``bytegen.ByteDecider``, the same loop on the members' byte-level views (``DECIDERS``);
 - ``pool.MemberPool``: the members' forward passes, in threads;
 - ``likelihood``: teacher forcing; ``timer.StageTimer``: where the time goes;
 - ``trace``: the step trace of a sequence opened with ``trace`` (nothing is recorded otherwise).
@@ -49,6 +49,8 @@ from tokenfuse.members.base import Member, reweighted
 
 
 _open: weakref.WeakSet[Ensemble] = weakref.WeakSet()  # every ensemble made, held weakly until exit
+# the step decision by what the combiner needs of the members (``Combiner.needs``; else ``Decider``)
+DECIDERS: dict[str, type[Decider]] = {"bytes": ByteDecider}
 
 
 @atexit.register
@@ -93,16 +95,12 @@ class Ensemble:
         self.timer = StageTimer()
         self.pool = MemberPool(self.members, parallel=options.parallel)
         self.combiner.bind(Setup(self.space, self.members, self.primary, self.align_cache))
-        if self.combiner.unit == "byte":  # the ``byte`` method: one byte per step (engine.bytegen)
-            self.decider: Decider | ByteDecider = ByteDecider(self.members, self.space, self.combiner, self.pool,
-                                                              self.timer, primary=self.primary)
-            self.speculator = None
-        else:
-            self.decider = Decider(self.members, self.space, self.combiner, self.pool, self.timer, options,
-                                   primary=self.primary)
-            spec = options.speculative
-            rounds = self.decider.rounds is not None  # a strategy drafting in rounds (SAFE) runs on the speculator
-            self.speculator = Speculator(self.decider, spec) if spec is not None or rounds else None
+        decider = DECIDERS.get(self.combiner.needs, Decider)
+        self.decider = decider(self.members, self.space, self.combiner, self.pool, self.timer, options,
+                               primary=self.primary)
+        spec = options.speculative
+        rounds = self.decider.rounds is not None  # a strategy drafting in rounds (SAFE) runs on the speculator
+        self.speculator = Speculator(self.decider, spec) if spec is not None or rounds else None
         _open.add(self)
 
     @classmethod
@@ -317,10 +315,9 @@ class Ensemble:
                 self.close(s)
 
     def _scores_pieces(self) -> None:
-        """Scoring (``loglikelihood``, ``score_prompt``) is of pieces; the ``byte`` method has none."""
-        if self.combiner.unit == "byte":
-            raise ConfigError("method: byte generates byte by byte and scores no pieces (loglikelihood, prompt "
-                              "logprobs with echo); use method gac for them, or tokenfuse score for bytes")
+        """Scoring (``loglikelihood``, ``score_prompt``) is of pieces: refused where the method lacks it
+        (``Combiner.lacks``: the ``byte`` method has no pieces)."""
+        self.combiner.refuse("scoring")
 
     def prompt_token_counts(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """How many ids each member (ensemble order) has for ``prompt``, as ``open`` encodes it; opens nothing."""

@@ -39,8 +39,8 @@ class EnsembleOptions(BaseModel):
     """An ensemble's options (module docstring). Attributes:
 
     * ``method``: a registered combiner (``gac``, ``unite``, ``deepen``, ``contrast``; ``byte`` generates
-      byte by byte: ``tokenfuse.engine.bytegen``); ``params`` its parameters and the adaptive ones
-      (``select``, ``confidence``, ``prompt_weights``, ...);
+      byte by byte: ``tokenfuse.engine.bytegen``, without what it ``lacks``); ``params`` its parameters
+      and the adaptive ones (``select``, ``confidence``, ``prompt_weights``, ...);
     * ``primary``: the primary member's name (``None``: the member with the highest ``score``, else
       the first). Greedy ties go to the piece it finds more likely; it gates ``select`` and
       segments given text into steps (likelihood scoring);
@@ -78,21 +78,20 @@ class EnsembleOptions(BaseModel):
     def _consistent(self) -> EnsembleOptions:
         try:
             validate_params(self.method, self.params, extra=strategy_params())
-            self._check_unit()
+            self._check_lacks()
             self._check_known_members()
             check_strategies(self)
         except ConfigError as err:
             raise ValueError(str(err)) from None
         return self
 
-    def _check_unit(self) -> None:
-        """A method that chooses bytes (``byte``) has no pieces to gate or to draft."""
-        if combiner_class(self.method).unit != "byte":
-            return
+    def _check_lacks(self) -> None:
+        """``gate`` and ``speculative`` where the method lacks them (``Combiner.lacks``: ``byte``, which
+        chooses bytes, has no pieces to gate or to draft)."""
+        method = combiner_class(self.method)
         for name, value in (("gate", self.gate), ("speculative", self.speculative)):
             if value is not None:
-                raise ConfigError(f"{name}: not available with method {self.method} (it chooses bytes, not pieces); "
-                                  f"drop {name} or use method gac")
+                method.refuse(name)
 
     def _check_known_members(self) -> None:
         """``check_members`` where the members are known when the options are made (a config's);

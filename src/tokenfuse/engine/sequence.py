@@ -120,8 +120,9 @@ class OpenSequence:
             ensembled / decided by agreement skip.
         finished: ``None`` while running, else ``end``, ``stop``, ``length`` or ``cancelled``.
         trace: the step trace of a traced sequence (``None``: not traced, nothing recorded).
-        notes: what the step decision's strategies keep per sequence, by strategy name (e.g. PackLLM's
-            prompt scores, ``tokenfuse.engine.strategies.prompt``).
+        notes: what the step decision keeps per sequence: its strategies' by strategy name (e.g. PackLLM's
+            prompt scores, ``tokenfuse.engine.strategies.prompt``), the ``byte`` method's byte states
+            (``tokenfuse.engine.bytegen.NOTE``).
         vetoed: steps whose decision a strategy revised (``Decision.vetoed``: selective ensembling's
             boundary rule took the primary's piece).
         drafted, accepted, draft_k: speculative decoding's pieces proposed, chosen, and the number

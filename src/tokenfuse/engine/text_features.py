@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenfuse.alignment.byteview import TokenBytes
+from tokenfuse.alignment.bytetree import TokenBytes
 from tokenfuse.engine.likelihood import positions
 from tokenfuse.engine.sync import incomplete_tail, resync
 from tokenfuse.members.base import Member, SeqState, common_prefix

@@ -13,6 +13,7 @@ from tokenfuse.eval.methods import ALL_METHODS, DEFAULT_THRESHOLD
 from tokenfuse.eval.report import markdown_table
 from tokenfuse.eval.batches import FORMS
 from tokenfuse.eval.runner import DEFAULT_TASKS, EvalSettings, run_eval
+from tokenfuse.eval.score_cli import add_pruning_arguments
 
 
 def _int_map(text: str | None, flag: str) -> dict[str, int]:
@@ -73,6 +74,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"mux/sc: temperature of the samples (default {DEFAULT_TEMPERATURE}; seeded from --seed)")
     p.add_argument("--scoring", choices=("one-forward", "stepwise"),
                    help="likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")
+    add_pruning_arguments(p, "--tasks text-bytes: the byte models' pruning: ")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars (the one-line messages per task and per dev stage stay)")
     return p
@@ -122,13 +124,14 @@ def run(args: argparse.Namespace) -> int:
 def _run_text(cfg: EnsembleConfig, args: argparse.Namespace, task: str = "text") -> int:
     from tokenfuse.engine.text_features import Rows
     from tokenfuse.eval.text import TextSettings, markdown, run_text
+    from tokenfuse.eval.score_cli import pruning_of
     from tokenfuse.eval.text_bytes import run_text_bytes
     from tokenfuse.load import load_ensemble
 
     t0 = time.perf_counter()
     ens = load_ensemble(cfg, progress=not args.quiet)
     settings = TextSettings(out=args.out, data=args.data, limit=args.limit, primary=args.primary,
-                            progress=not args.quiet)
+                            progress=not args.quiet, pruning=pruning_of(args))
     run = run_text if task == "text" else run_text_bytes
     results = run([Rows.from_member(m) for m in ens.members], settings)
     print(markdown(results))

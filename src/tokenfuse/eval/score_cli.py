@@ -6,10 +6,11 @@ Parameters: by default the members' weights (``--weights`` or the config's, norm
 ``--alpha`` (default 0.01); ``--fitted RESULTS_JSON`` takes them from a ``text`` run instead (its
 ``fitted``, for the same members in the same order).
 
-``--bytes``: the ``text-bytes`` task's rows instead (each member's byte view, ``doc-mix`` and the byte
+``--bytes``: the ``text-bytes`` task's rows instead (each member's byte model, ``doc-mix`` and the byte
 rows, eval/text_bytes.py): the weights are those of ``byte-mix`` and ``doc-mix`` and ``byte-switch``'s
 prior, ``--alpha`` its share; ``byte-gate`` needs a fit, so it is scored only with ``--fitted`` from a
-``text-bytes`` run.
+``text-bytes`` run. The byte models' pruning is the flags' (``--keep``, ``--width``, ``--rule``,
+``--smooth``, ``--fallback``), each one left out the run's with ``--fitted``, else the default.
 """
 
 from __future__ import annotations
@@ -42,15 +43,60 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help=f"switch: share per token (default {DEFAULT_ALPHA})")
     p.add_argument("--fitted", help="a text run's results.json: its fitted weights, share and exponents")
     p.add_argument("--json", action="store_true",
-                   help='print JSON: {"bytes": n, "rows": {"<row>": {"bits_per_byte": x, "bits": b}}} per file')
+                   help='print JSON: {"bytes": n, "rows": {"<row>": {"bits_per_byte": x, "bits": b}}} per file; '
+                        'with --bytes also "members": {"<name>": {"rows": n, "view_seconds": s, "own_seconds": s}} '
+                        '(the rows each byte model read, its seconds and those of the member\'s own scoring)')
     p.add_argument("--bytes", action="store_true",
                    help="the byte rows instead of the token-level ones: each member's exact byte-level view "
                         "(bytes:<member>), byte-mix, byte-switch and, with --fitted from a text-bytes run, "
-                        "byte-gate (slower: about 40 ms per byte for the bundled three on a 2-core CPU)")
+                        "byte-gate (slower than the token-level rows: see docs/benchmarks.md, \"Byte models\")")
+    add_pruning_arguments(p, "--bytes: ")
     p.add_argument("--pieces", action="store_true",
                    help="with --json: each token-level row's log-probability of each of the primary's tokens "
                         "(piece_logprobs, natural log) and their byte lengths (piece_bytes)")
     return p
+
+
+def add_pruning_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The byte models' pruning (``alignment.bytemodel.Pruning``) as flags: one place for ``score --bytes``
+    and ``eval --tasks text-bytes``. Each flag left out takes the default (``pruning_of``)."""
+    from tokenfuse.alignment.bytemodel import FALLBACK, KEEP, RULE, RULES, SMOOTH, WIDTH
+
+    p.add_argument("--keep", type=float,
+                   help=f"{prefix}a history below this share of the prefix mass is pruned (default {KEEP}; 0: none)")
+    p.add_argument("--width", help=f"{prefix}at most this many histories per boundary (default {WIDTH}; none: no limit)")
+    p.add_argument("--rule", choices=RULES,
+                   help=f"{prefix}where the pruned mass goes (default {RULE}; docs/methods.md, "
+                        "\"A member as a byte-level model\")")
+    p.add_argument("--smooth", type=float,
+                   help=f"{prefix}share of each next-byte distribution spread evenly over the 257 outcomes "
+                        f"(default {SMOOTH})")
+    p.add_argument("--fallback", type=float,
+                   help=f"{prefix}the defer rule: share of the next bytes no history read spells, where nothing "
+                        f"stands at the boundary (default {FALLBACK})")
+
+
+def pruning_of(args: argparse.Namespace, base=None):
+    """The ``Pruning`` of ``add_pruning_arguments``' flags, each one left out taken from ``base`` (default:
+    ``Pruning()``); a bad value named with its flag."""
+    from dataclasses import replace
+
+    from tokenfuse.alignment.bytemodel import Pruning
+
+    base = base if base is not None else Pruning()
+    given = {k: getattr(args, k) for k in ("keep", "width", "rule", "smooth", "fallback") if getattr(args, k) is not None}
+    if "width" in given:
+        w = str(given["width"]).lower()
+        if w == "none":
+            given["width"] = None
+        elif w.isdigit():
+            given["width"] = int(w)
+        else:
+            raise TokenfuseError(f"--width: expected a positive number or none, got {args.width!r}")
+    try:
+        return replace(base, **given)
+    except ValueError as err:
+        raise TokenfuseError(f"--{err}") from None
 
 
 def _read(path: str) -> str:
@@ -91,15 +137,18 @@ def _fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: floa
     return {row: Fitted.from_dict(p) for row, p in _load_fit(path, names, "text").items()}
 
 
-def _byte_fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: float) -> tuple[dict, np.ndarray]:
-    """The byte rows' parameters and ``doc-mix``'s weights (``byte-gate`` only from a fit)."""
+def _byte_fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: float) -> tuple[dict, np.ndarray, object]:
+    """The byte rows' parameters, ``doc-mix``'s weights (``byte-gate`` only from a fit) and the pruning
+    the byte models default to: the run's where the fit comes from one."""
     from tokenfuse.engine.byte_rows import BYTE_ROWS, ByteFitted
+    from tokenfuse.eval.text_bytes import run_pruning
 
     if path is None:
         w = weights.tolist()
-        return {"byte-mix": ByteFitted(w), "byte-switch": ByteFitted(w, alpha)}, weights
+        return {"byte-mix": ByteFitted(w), "byte-switch": ByteFitted(w, alpha)}, weights, None
     fit = _load_fit(path, names, "text-bytes")
-    return {row: ByteFitted.from_dict(fit[row]) for row in BYTE_ROWS}, np.array(fit["doc-mix"]["weights"])
+    rows = {row: ByteFitted.from_dict(fit[row]) for row in BYTE_ROWS}
+    return rows, np.array(fit["doc-mix"]["weights"]), run_pruning(json.loads(Path(path).read_text()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
     if args.bytes:
         from tokenfuse.eval import text_bytes
 
-        fitted, doc_w = _byte_fitted(args.fitted, names, w / w.sum(), args.alpha)
-        results = text_bytes.score_texts(members, texts, fitted, doc_w, progress=not args.json)
+        fitted, doc_w, base = _byte_fitted(args.fitted, names, w / w.sum(), args.alpha)
+        results = text_bytes.score_texts(members, texts, fitted, doc_w, pruning_of(args, base), progress=not args.json)
     else:
         fitted = _fitted(args.fitted, names, w / w.sum(), args.alpha)
         results = score_texts(members, texts, ens.primary, fitted, pieces=args.pieces)

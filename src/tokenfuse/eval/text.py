@@ -23,11 +23,12 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from tokenfuse.alignment.bytemodel import Pruning
 from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import DocFeatures, Rows, doc_features, primary_tokens
 from tokenfuse.errors import TokenfuseError
@@ -65,6 +66,7 @@ class TextSettings:
     choose_per_domain: int = CHOOSE_PER_DOMAIN  # of those, the ones each member alone is scored on to choose the primary
     primary: str | None = None
     progress: bool = True
+    pruning: Pruning = field(default_factory=Pruning)  # the text-bytes run's byte models
 
 
 def doc_key(doc: Document) -> str:

@@ -4,7 +4,7 @@ member as a byte-level model (alignment/byteview.py), mixed byte by byte (engine
 The run, resumable (each document's numbers are kept under ``--out/bytes/`` as they are made):
 
 1. the first ``DEV_PER_DOMAIN`` dev documents of each domain and every test document: each member's
-   byte view of the document (``score_bytes`` with ``KEEP``/``WIDTH``, its own tokens as the chain)
+   byte model of the document (``score_bytes`` with the run's ``Pruning``, its own tokens as the chain)
    and, from the same rows, the member alone on its own tokens (``single``);
 2. the byte rows' weights, rate and gate fit on the dev documents (``byte_rows.fit_bytes``), and
    ``doc-mix``'s weights (EM on the dev documents' ``single`` totals);
@@ -15,6 +15,7 @@ The run, resumable (each document's numbers are kept under ``--out/bytes/`` as t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -23,13 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenfuse.alignment.byteview import KEEP, WIDTH, TokenBytes, score_bytes
+from tokenfuse.alignment.bytemodel import Pruning
+from tokenfuse.alignment.bytetree import TokenBytes
+from tokenfuse.alignment.byteview import score_bytes
 from tokenfuse.engine import byte_rows
 from tokenfuse.engine.text_features import Rows, primary_tokens
 from tokenfuse.engine.text_rows import em_weights
+from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.batches import stderr_log
 from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, compare, doc_key, markdown,
-                                 per_domain, score_entry)
+                                 per_domain, score_entry, single_logprobs)
 from tokenfuse.paths import save_npz
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
@@ -40,28 +44,31 @@ def row_names(members: Sequence[Rows]) -> list[str]:
             + list(byte_rows.BYTE_ROWS))
 
 
-def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str,
+def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str, pruning: Pruning,
               on_member: Callable[[], object] | None = None) -> dict[str, np.ndarray]:
-    """Each member's byte view of ``text`` (``q<i>``: natural-log probability of each byte) and its own
-    tokens' log-probabilities (``single<i>``), with the rows each read (``rows``); ``on_member`` is
-    called after each member's view (a progress bar)."""
+    """Each member's byte model of ``text`` (``q<i>``: natural-log probability of each byte) and its own
+    tokens' log-probabilities (``single<i>``), with the rows each read (``rows``) and the seconds of
+    each member's scoring (``seconds``); ``on_member`` is called after each member's (a progress bar)."""
     data = text.encode("utf-8")
     out: dict[str, np.ndarray] = {}
-    read = []
+    read, seconds = [], []
     for i, (m, tb) in enumerate(zip(members, tokens)):
+        t0 = time.perf_counter()
         own = primary_tokens(m.codec, text)
         with m.reader() as take:
-            s = score_bytes(data, tb, m.start, take, chain=own, keep=KEEP, width=WIDTH)
+            s = score_bytes(data, tb, m.start, take, chain=own, pruning=pruning)
+        seconds.append(time.perf_counter() - t0)
         out[f"q{i}"] = s.logprobs
         out[f"single{i}"] = s.chain if s.chain is not None else np.zeros(0)
-        read.append(s.histories)
+        read.append(s.rows)
         if on_member is not None:
             on_member()
     out["rows"] = np.array(read)
+    out["seconds"] = np.array(seconds)
     return out
 
 
-def _features(members: Sequence[Rows], docs: Sequence[Document], split: str, out: Path,
+def _features(members: Sequence[Rows], docs: Sequence[Document], split: str, out: Path, pruning: Pruning,
               progress: bool) -> list[dict[str, np.ndarray]]:
     folder = out / "bytes" / split
     folder.mkdir(parents=True, exist_ok=True)
@@ -74,10 +81,47 @@ def _features(members: Sequence[Rows], docs: Sequence[Document], split: str, out
     with progress_bar(total=len(docs), initial=len(docs) - len(todo), desc=f"{split} documents", unit="doc",
                       enabled=progress) as bar:
         for k in todo:
-            got[k] = doc_bytes(members, tokens, docs[k].text)
+            got[k] = doc_bytes(members, tokens, docs[k].text, pruning)
             save_npz(folder / f"{doc_key(docs[k])}.npz", **got[k])
             bar.update(1)
     return got  # type: ignore[return-value]
+
+
+LEGACY = Pruning(keep=1e-2, width=1, rule="top", smooth=1e-6)  # a run's pruning from before it was recorded
+
+
+def pruning_dict(pruning: Pruning) -> dict:
+    return dataclasses.asdict(pruning)
+
+
+def run_pruning(results: dict) -> Pruning:
+    """The pruning a run's results.json records (a run from before the record: ``LEGACY``)."""
+    if "rule" not in results:
+        return LEGACY
+    return Pruning(**{k: results[k] for k in pruning_dict(LEGACY) if k in results})
+
+
+def _same_pruning(folder: Path, pruning: Pruning) -> None:
+    """A run's views are all made with one pruning: recorded in ``bytes/pruning.json`` on the first start
+    (a run from before the record: the top rule at the defaults of then), refused when resumed with
+    another."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "pruning.json"
+    want = pruning_dict(pruning)
+    if path.is_file():
+        had = pruning_dict(Pruning(**json.loads(path.read_text())))
+    elif any(folder.glob("*/*.npz")):
+        had = pruning_dict(LEGACY)
+    else:
+        path.write_text(json.dumps(want) + "\n")
+        return
+    if had != want:
+        flags = " ".join(f"--{k} {v if v is not None else 'none'}" for k, v in had.items() if k in ("keep", "width",
+                                                                                                    "rule", "smooth", "fallback"))
+        raise TokenfuseError(f"--out {folder.parent}: its byte views were made with {had}; resume it with the "
+                             f"same pruning ({flags}) or give another --out")
+    if not path.is_file():
+        path.write_text(json.dumps(want) + "\n")
 
 
 def _q(f: dict[str, np.ndarray], n: int) -> np.ndarray:
@@ -109,13 +153,15 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     names = [m.name for m in members]
     n = len(members)
     t0 = time.perf_counter()
-    dev_f = _features(members, dev, "dev", out, settings.progress)
+    pruning = settings.pruning
+    _same_pruning(out / "bytes", pruning)
+    dev_f = _features(members, dev, "dev", out, pruning, settings.progress)
     t_dev = time.perf_counter() - t0
     fitted = byte_rows.fit_bytes([_q(f, n) for f in dev_f])
     doc_w = em_weights(np.array([[f[f"single{i}"].sum() for i in range(n)] for f in dev_f]))
     stderr_log("text-bytes fit on dev: doc-mix " + str(np.round(doc_w, 4).tolist()) + "; "
                + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
-    test_f = _features(members, test, "test", out, settings.progress)
+    test_f = _features(members, test, "test", out, pruning, settings.progress)
     t_test = time.perf_counter() - t0 - t_dev
     rows = row_names(members)
     records = []
@@ -126,8 +172,8 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     with (out / "items-text-bytes.jsonl").open("w", encoding="utf-8") as fh:
         for r in records:
             fh.write(json.dumps(r) + "\n")
-    results = {"task": "text-bytes", "members": names, "primary": "none (byte rows)", "keep": KEEP,
-               "width": WIDTH, "fitted": {row: p.as_dict() for row, p in fitted.items()}
+    results = {"task": "text-bytes", "members": names, "primary": "none (byte rows)",
+               **pruning_dict(pruning), "fitted": {row: p.as_dict() for row, p in fitted.items()}
                | {"doc-mix": {"weights": doc_w.tolist()}},
                "dev_documents": len(dev), "test_documents": len(test),
                "seconds": _add_seconds(out, {"dev_bytes": t_dev, "test_bytes": t_test})}
@@ -161,16 +207,25 @@ def views_markdown(vs: dict) -> str:
 
 
 def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str, byte_rows.ByteFitted],
-                doc_w: np.ndarray, *, progress: bool = True) -> list[dict]:
+                doc_w: np.ndarray, pruning: Pruning, *, progress: bool = True) -> list[dict]:
     """``tokenfuse score --bytes``: every row of this run (those in ``fitted`` of the byte rows) on each
-    text, in ``score``'s ``--json`` shape per text."""
+    text, in ``score``'s ``--json`` shape per text, with what each member's byte model cost: the rows it
+    read and its seconds, beside the seconds of the member's own scoring of the same text
+    (``members``)."""
     names = [m.name for m in members]
     tokens = [TokenBytes(m.codec.token_bytes) for m in members]
     sizes = [len(t.encode("utf-8")) for t in texts]
     out = []
-    with progress_bar(total=len(members) * sum(sizes), desc="byte views", unit="B", enabled=progress) as bar:
+    with progress_bar(total=len(members) * sum(sizes), desc="byte models", unit="B", enabled=progress) as bar:
         for text, size in zip(texts, sizes):
-            f = doc_bytes(members, tokens, text, on_member=lambda size=size: bar.update(size))
+            f = doc_bytes(members, tokens, text, pruning, on_member=lambda size=size: bar.update(size))
             lps = doc_logprobs(f, names, fitted, doc_w)
-            out.append({"bytes": size, "rows": {row: score_entry(lp, size) for row, lp in lps.items()}})
+            cost = {}
+            for i, m in enumerate(members):
+                t0 = time.perf_counter()
+                single_logprobs(m, text)
+                cost[m.name] = {"rows": int(f["rows"][i]), "view_seconds": round(float(f["seconds"][i]), 3),
+                                "own_seconds": round(time.perf_counter() - t0, 3)}
+            out.append({"bytes": size, "rows": {row: score_entry(lp, size) for row, lp in lps.items()},
+                        "members": cost})
     return out

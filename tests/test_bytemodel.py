@@ -1,5 +1,7 @@
-"""The incremental byte view (alignment/bytestate.py) against ``score_bytes`` and brute force, on the real
-tokenizers with the random models of tests/test_byteview.py."""
+"""A member's byte model one byte at a time (alignment/bytemodel.py): its whole next-symbol distribution
+(generation's) against the byte-by-byte scoring path (``advance``, ``score_bytes``: only the rows'
+entries of the next byte) and brute force, on the real tokenizers with the random models of
+tests/test_byteview.py."""
 
 from __future__ import annotations
 
@@ -12,26 +14,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from test_byteview import ALPHABET, FAMILIES, MAX_LEN, _brute_all, fake  # noqa: F401  (the fixture)
-from tokenfuse.alignment.bytestate import END_SYMBOL, ByteState, ByteTable, next_byte_sums
-from tokenfuse.alignment.byteview import TokenBytes, score_bytes
+from tokenfuse.alignment.bytemodel import END_SYMBOL, ByteModel, Pruning, next_byte_sums
+from tokenfuse.alignment.bytetree import TokenBytes
+from tokenfuse.alignment.byteview import score_bytes
 
 PRUNINGS = [dict(keep=0.0, width=None, smooth=0.0), dict(smooth=0.0), dict(), dict(keep=0.05, width=1),
-            dict(reserve=True), dict(keep=0.05, width=1, smooth=0.0, reserve=True)]
+            dict(rule="reserve"), dict(keep=0.05, width=1, smooth=0.0, rule="reserve"), dict(rule="defer"),
+            dict(keep=0.05, width=1, smooth=0.0, rule="defer"), dict(keep=0.3, width=2, rule="defer")]
 
 
-_TABLES: dict[int, ByteTable] = {}
+_TOKENS: dict[int, TokenBytes] = {}
 
 
-def _table(rows) -> ByteTable:
-    if id(rows.codec) not in _TABLES:
-        _TABLES[id(rows.codec)] = ByteTable(TokenBytes(rows.codec.token_bytes))
-    return _TABLES[id(rows.codec)]
+def _tokens(rows) -> TokenBytes:
+    if id(rows.codec) not in _TOKENS:
+        _TOKENS[id(rows.codec)] = TokenBytes(rows.codec.token_bytes)
+    return _TOKENS[id(rows.codec)]
+
+
+def _model(rows, take=None, **kw) -> ByteModel:
+    return ByteModel(_tokens(rows), rows.start, take or rows.entries, Pruning(**kw))
 
 
 def _walk(rows, data: bytes, **kw) -> tuple[np.ndarray, np.ndarray]:
     """The state's log-probability of each byte of ``data`` and of the end after it, and its last
     257-way distribution."""
-    st = ByteState(_table(rows), rows.start, rows.entries, **kw)
+    st = _model(rows, **kw)
     out = []
     for b in data:
         out.append(st.next_distribution()[b])
@@ -54,7 +62,7 @@ def test_the_state_is_score_bytes_byte_by_byte(fake, family, prune):
     """Every byte's probability and the end's, as the state gives them one at a time, equal
     ``score_bytes`` of the whole string within 1e-9 (exact, default and pruned trees, smoothed or not)."""
     rows = fake[family]
-    tokens = _table(rows).tokens
+    tokens = _tokens(rows)
     for data in [b"abbab", b"ba", b"aaaab", b"abzab"]:  # z: a byte the model never spells (the reserve re-seeds)
         got, _ = _walk(rows, data, **prune)
         want = score_bytes(data, tokens, rows.start, rows.entries, end=True, **prune)
@@ -66,7 +74,7 @@ def test_the_state_is_score_bytes_byte_by_byte(fake, family, prune):
 @pytest.mark.parametrize("prune", PRUNINGS)
 def test_the_257_outcomes_sum_to_one(fake, family, prune):
     rows = fake[family]
-    st = ByteState(_table(rows), rows.start, rows.entries, **prune)
+    st = _model(rows, **prune)
     for b in b"abbaab":
         assert abs(np.exp(st.next_distribution()).sum() - 1.0) < 1e-12
         st.advance(b)
@@ -81,7 +89,7 @@ def test_the_exact_state_is_the_brute_force(fake, family):
     every, ended = _brute_all(rows)
     for n in range(MAX_LEN):
         for s in (bytes(c) for c in itertools.product(ALPHABET, repeat=n)):
-            st = ByteState(_table(rows), rows.start, rows.entries, keep=0.0, width=None, smooth=0.0)
+            st = _model(rows, keep=0.0, width=None, smooth=0.0)
             for b in s:
                 st.advance(b)
             q = np.exp(st.next_distribution())
@@ -95,18 +103,18 @@ def test_the_exact_state_is_the_brute_force(fake, family):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=hs.binary(min_size=1, max_size=8).map(lambda b: bytes(ALPHABET[x % 2] for x in b)),
        keep=hs.sampled_from([0.0, 1e-3, 0.05]), width=hs.sampled_from([None, 1, 2, 3]),
-       reserve=hs.booleans(), family=hs.sampled_from(FAMILIES))
-def test_property_the_state_is_score_bytes(fake, data, keep, width, reserve, family):
+       rule=hs.sampled_from(["top", "defer", "reserve"]), family=hs.sampled_from(FAMILIES))
+def test_property_the_state_is_score_bytes(fake, data, keep, width, rule, family):
     rows = fake[family]
-    got, _ = _walk(rows, data, keep=keep, width=width, reserve=reserve)
-    want = score_bytes(data, _table(rows).tokens, rows.start, rows.entries, end=True, keep=keep, width=width,
-                       reserve=reserve)
+    got, _ = _walk(rows, data, keep=keep, width=width, rule=rule)
+    want = score_bytes(data, _tokens(rows), rows.start, rows.entries, end=True, keep=keep, width=width,
+                       rule=rule)
     np.testing.assert_allclose(got[:-1], want.logprobs, rtol=0, atol=1e-9)
     assert math.isclose(got[-1], want.end, abs_tol=1e-9)
 
 
 def test_rows_are_read_once_and_dead_histories_go(fake):
-    """Each history's row is read once (the state reads what ``score_bytes`` reads), and after many bytes
+    """Each history's row is read once (the state reads what ``score_bytes`` reads, whole), and after many bytes
     the live histories are few (those whose tokens can still spell further)."""
     rows = fake["qwen"]
     calls = []
@@ -116,20 +124,20 @@ def test_rows_are_read_once_and_dead_histories_go(fake):
         return rows.entries(lists, ids)
 
     data = b"abbabaabbbab"
-    st = ByteState(_table(rows), rows.start, take, keep=0.0, width=3)
+    st = _model(rows, take, keep=0.0, width=3)
     for b in data:
         st.next_distribution()
         st.next_distribution()
         st.advance(b)
     st.next_distribution()
-    assert len(calls) == len(set(calls)) == st.histories
-    want = score_bytes(data, _table(rows).tokens, rows.start, rows.entries, keep=0.0, width=3, end=True)
-    assert st.histories == want.histories + sum(h.at == len(data) for h in st.live)  # and the end's rows
+    assert len(calls) == len(set(calls)) == st.rows
+    want = score_bytes(data, _tokens(rows), rows.start, rows.entries, keep=0.0, width=3, end=True)
+    assert st.rows == want.rows  # the end's rows included
     longest = max(len(b) for b in rows.codec.token_bytes if b and set(b) <= set(ALPHABET))
     assert all(len(data) - h.at < longest for h in st.live)
 
 
 def test_a_bad_byte_is_refused(fake):
-    st = ByteState(_table(fake["gemma3"]), fake["gemma3"].start, fake["gemma3"].entries)
+    st = _model(fake["gemma3"])
     with pytest.raises(ValueError, match="byte"):
         st.advance(256)
