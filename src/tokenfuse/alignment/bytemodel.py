@@ -47,11 +47,14 @@ exact, every history; exponential in the length, for tests and short strings). W
   it (``q``: the deferred history's next-symbol masses). The top rule gives ``S q(b)`` to every ``b``;
   this one moves the deferred mass from the bytes the read histories spell to those they do not, so
   the bytes the top rule keeps a row at every byte for still get at least its mass, and a row is
-  read about once per token of the member's own (docs/benchmarks.md, "Byte models: cost"). Where a
-  byte that a history read spells (with little mass) comes instead and later nothing kept spells the
-  text at all, the byte there has only the smoothing's share and the state re-seeds: one history
-  spelling the bytes so far, the most probable one dropped (or deferred) at the latest boundary that
-  dropped one followed by the longest tokens spelling the rest (``TokenBytes.greedy``).
+  read about 1.5–1.9 times per token of the member's own (docs/benchmarks.md, "Byte models: cost").
+  Where nothing read or deferred stands at the boundary (the histories read are all inside tokens),
+  the *fallback*: the symbols no history read spells get ``fallback`` (1e-3) of the probability, shared
+  as the history dropped at the latest boundary that dropped one would continue the bytes since (its
+  row read only when such a symbol comes; evenly where it spells none), the others ``1 − fallback``
+  of theirs. Where even that history cannot spell the text, the byte has the smoothing's share alone
+  and the state re-seeds: one history spelling the bytes so far, that history followed by the longest
+  tokens spelling the rest (``TokenBytes.greedy``).
 - **reserve**: it joins a pseudo-history ``R`` that gives each of the 257 next symbols ``1/257`` of
   itself, ``P̂(x[:i+1]) = C(x[:i+1]) + R_i / 257`` and ``R_{i+1} = R_i / 257 + D_{i+1}``, with the same
   re-seed (which takes ``R``'s whole mass) where no kept history covers ``x[:i]``.
