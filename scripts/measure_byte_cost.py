@@ -122,9 +122,11 @@ def main() -> None:
     names = args.members.split(",") if args.members else run["members"]
     dev = per_domain(load_documents("dev"), DEV_PER_DOMAIN)
     docs = per_domain(dev, 1) if args.slices else dev
+    if args.run:  # the documents the run has views of (a run still under way: those done)
+        docs = [d for d in docs if (Path(args.run) / "bytes" / "dev" / f"{doc_key(d)}.npz").is_file()]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"texts": "dev slices (first 1,500 bytes of the first dev document of each domain)" if args.slices
-           else f"the text-bytes run's dev split ({len(docs)} documents)",
+           else f"the text-bytes run's dev split ({len(docs)} of {len(dev)} documents)",
            "pruning": dataclasses.asdict(pruning), "views": f"from {args.run}" if args.run else "computed here",
            "commit": commit}
     for name in names:
