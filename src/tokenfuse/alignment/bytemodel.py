@@ -304,11 +304,11 @@ class ByteModel:
                 acc[END_SYMBOL] += w * h.end
                 spelled[END_SYMBOL] = True
         if self.deferred is not None:
-            acc[~spelled] += math.exp(self.deferred.lp - mass) * self._deferred_shares(~spelled)
+            acc[~spelled] += math.exp(self.deferred.lp - mass) * self._shares(self.deferred, ~spelled)
         p = acc * math.exp(mass - logsubexp(mass, self.lost[n]))
         if self._falls_back():
             p *= 1 - self.pruning.fallback
-            p[~spelled] += self.pruning.fallback * self._fallback_shares(~spelled)
+            p[~spelled] += self.pruning.fallback * self._shares(self._fallback_history(), ~spelled)
         with np.errstate(divide="ignore"):
             return smoothed(np.log(p), self.pruning.smooth)
 
@@ -316,18 +316,18 @@ class ByteModel:
         """The defer rule's fallback applies: nothing read or deferred stands at the current boundary."""
         return self.pruning.rule == "defer" and self.pruning.fallback > 0 and self.deferred is None and not self.kept
 
-    def _fallback_shares(self, unspelled: np.ndarray) -> np.ndarray:
-        """How the fallback shares itself among the next symbols ``unspelled``: as the history dropped at
-        the latest boundary that dropped one (``Dropped.last``) would continue the bytes since (its row
-        read); evenly where it spells none of them."""
-        d = self._fallback_history()
+    def _shares(self, h: _History, unspelled: np.ndarray) -> np.ndarray:
+        """How history ``h`` shares a mass among the next symbols ``unspelled`` (a mask over the 257): as
+        its row continues the bytes since its boundary (``q(b) / q(U)``; its row read whole), evenly
+        where it spells none of them. The deferred history's (at the boundary) and the fallback's."""
+        self._read([h], whole=True)
         n = len(self.data)
-        a, b = self.tokens.span(bytes(self.data[d.at:]), d.lo, d.hi) if n > d.at else (d.lo, d.hi)
+        a, b = self.tokens.span(bytes(self.data[h.at:]), h.lo, h.hi) if n > h.at else (h.lo, h.hi)
         q = np.zeros(257)
         if a < b:
-            q[:256] = next_byte_sums(d.p[a - d.lo:b - d.lo], self.tokens.column(n - d.at, a, b))
-        if n == d.at:
-            q[END_SYMBOL] = d.end
+            q[:256] = next_byte_sums(h.p[a - h.lo:b - h.lo], self.tokens.column(n - h.at, a, b))
+        if n == h.at:
+            q[END_SYMBOL] = h.end
         q = q[unspelled]
         total = q.sum()
         return q / total if total > 0 else np.full(len(q), 1 / len(q))
@@ -335,17 +335,7 @@ class ByteModel:
     def _fallback_history(self) -> _History:
         if self._fallback is None or self._fallback.ids != self.dropped.last:
             self._fallback = _History(self.dropped.last, self.dropped.at, self.dropped.last_lp)
-        self._read([self._fallback], whole=True)
         return self._fallback
-
-    def _deferred_shares(self, unspelled: np.ndarray) -> np.ndarray:
-        """How the deferred history shares its mass among the next symbols ``unspelled`` (a mask over the
-        257): as its row does (``q(b) / q(U)``), evenly where its row has no mass on them. Reads its row."""
-        d = self.deferred
-        self._read([d], whole=True)
-        q = np.append(next_byte_sums(d.p, self.tokens.column(0, d.lo, d.hi)), d.end)[unspelled]
-        total = q.sum()
-        return q / total if total > 0 else np.full(len(q), 1 / len(q))
 
     def end_logprob(self) -> float:
         """``log p(end | x)`` alone (the ids that are not text of the histories kept at ``|x|``)."""
@@ -378,11 +368,11 @@ class ByteModel:
             unspelled = self._unspelled(n)
             k = int(np.count_nonzero(unspelled[:byte]))
             if self.deferred is not None:
-                share = float(self._deferred_shares(unspelled)[k])
+                share = float(self._shares(self.deferred, unspelled)[k])
                 given = math.exp(self.deferred.lp - logsubexp(was, lost)) * share
                 h = self.deferred
             else:
-                given = self.pruning.fallback * float(self._fallback_shares(unspelled)[k])
+                given = self.pruning.fallback * float(self._shares(self._fallback_history(), unspelled)[k])
                 h = self._fallback
             self.deferrals += 1
             hs, spans = [h], [self.tokens.span(bytes(self.data[h.at:]) + bytes([byte]), h.lo, h.hi)]
