@@ -1,7 +1,6 @@
 #!/usr/bin/env python
 """Batch of 4 prompts: one llama.cpp context per sequence vs one multi-sequence context."""
 import statistics, time
-from pathlib import Path
 from tokenfuse.bundled import BUNDLED
 from tokenfuse.members.gguf_tokenizer import ensure_tokenizer
 from tokenfuse.members.llamacpp import load_llamacpp_member

@@ -54,7 +54,7 @@ def test_trunk_and_branches_are_the_same_calls_made_one_sequence_at_a_time(llama
     ats = [2, 3, 5, 9, len(trunk) - 3, len(trunk) - 1]
     branches = [trunk[:at] + [int(rng.integers(m.n_vocab))] for at in ats]
     on_trunk = [trunk[:n] for n in (3, 7, len(trunk))]  # rows of the trunk itself, read again later
-    with m.tree_reader() as take:
+    with m.reader(m.encode_prompt("")) as take:
         whole = take([trunk[:n] for n in range(1, len(trunk) + 1)], [every] * len(trunk))
         alone = [take([x], [every])[0] for x in branches + on_trunk]
         together = take(branches + on_trunk, [every] * (len(branches) + len(on_trunk)))
@@ -101,7 +101,7 @@ def test_a_list_a_few_ids_off_the_trunk_is_the_detour_and_one_far_off_the_trunk(
     other = trunk[:6] + m.codec.encode_text(" Berlin is a city")
     far = trunk[:4] + m.codec.encode_text(" Rome, Milan and Turin")
     assert 2 <= len(other) - 6 <= 4 < min(len(far) - 4, len(trunk))
-    with m.tree_reader() as take:
+    with m.reader(m.encode_prompt("")) as take:
         take([trunk], [[5]])
         row = take([other], [[5, 6]])[0]
         back = take([trunk[:9]], [[5]])[0]  # on the trunk still: its last id decoded again after 8 cells

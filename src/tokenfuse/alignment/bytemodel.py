@@ -69,12 +69,13 @@ every later symbol gets ``1 / 257``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tokenfuse.alignment.bytetree import LOG257, Dropped, TokenBytes, boundary, logsubexp
+from tokenfuse.members.reading import Take
 
 KEEP = 2e-3  # default: a history below this share of its boundary's prefix mass is pruned (the defer rule's,
 # chosen on the dev slices: docs/benchmarks.md, "Byte models: cost")
@@ -85,9 +86,6 @@ FALLBACK = 1e-3  # the defer rule: share of the next symbols no history read spe
 RULES = ("top", "defer", "reserve")
 END_SYMBOL = 256  # the index of the end of the text among the 257 outcomes
 
-Take = Callable[[list[list[int]], list[np.ndarray]], list[np.ndarray]]
-"""``take(lists, ids)``: the member's next-token natural-log probabilities of ``ids[j]`` after ``lists[j]``
-(start ids included), float64 arrays."""
 
 
 @dataclass(frozen=True)

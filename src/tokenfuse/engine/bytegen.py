@@ -7,9 +7,9 @@ as every method), with these parts of its own:
 
 - ``admit`` gives each sequence just opened, for every member with a positive weight, a ``ByteModel``
   after the member's prompt ids (``tokenfuse.alignment.bytemodel``; built in ``byte_states`` alone),
-  reading its rows on sequence states of its own (``text_features.state_reader``: a member's KV cache
-  per live branch, so the row after one more token of a branch is one token's forward; on the bundled
-  llama.cpp members this was measured faster for generation than the backend's tree reader of
+  reading its rows on sequence states of its own (``Member.reader`` with ``shared=False``: a member's KV
+  cache per live branch, so the row after one more token of a branch is one token's forward; on the
+  bundled llama.cpp members this was measured faster for generation than the backend's tree reader of
   scoring); ``release`` frees them;
 - ``forward``: every such member's 257-way distribution of the next symbol on every row (the members
   that read a row in the member threads, timed as ``forward``), as its ``MemberOutput``;
@@ -53,7 +53,6 @@ from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import Sampling, sampled_probs
 from tokenfuse.engine.sequence import Decision, OpenSequence
 from tokenfuse.engine.sync import incomplete_tail
-from tokenfuse.engine.text_features import state_reader
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import MemberStep, StepRecord, TopEntry, end_text
 from tokenfuse.members.base import Member
@@ -138,7 +137,7 @@ class ByteDecider(Decider):
         try:
             for i in self.computed():
                 start = list(s.states[i].prompt_ids)
-                take = seq.readers.enter_context(state_reader(self.members[i], start))
+                take = seq.readers.enter_context(self.members[i].reader(start, shared=False))
                 seq.states[i] = ByteModel(self.table(i), start, take, p.pruning)
         except BaseException:
             seq.readers.close()

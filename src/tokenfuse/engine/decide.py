@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from tokenfuse.alignment.space import VocabSpace
-from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, StepView
 from tokenfuse.engine.options import EnsembleOptions
 from tokenfuse.engine.pool import MemberOutput, MemberPool

@@ -57,7 +57,8 @@ import torch
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import OpenSequence
-from tokenfuse.members.base import Member, SeqState, common_prefix
+from tokenfuse.members.base import Member, SeqState
+from tokenfuse.members.reading import positions_many
 
 
 @dataclass(frozen=True)
@@ -262,49 +263,3 @@ def _rows(member: Member, finals: list[SeqState], befores: list[list[list[int]]]
     for r in again:
         got[r] = memo.get(member, befores[r])
     return got
-
-
-def positions(member: Member, final: SeqState, before: list[list[int]], *,
-              pick: list[list[int]] | None = None) -> list[torch.Tensor]:
-    """``member``'s next-token log-probabilities after each id list in ``before`` (its ids before
-    each piece, in order), computed on ``final`` (the sequence's state after the last piece, whose
-    cache the forwards use and keep): one ``logprobs_at`` per run of lists that only grow. ``pick``
-    (one list of ids per list in ``before``): only those entries of each row (``logprobs_at``)."""
-    return positions_many(member, [final], [before], picks=None if pick is None else [pick])[0]
-
-
-def positions_many(member: Member, finals: Sequence[SeqState], befores: Sequence[list[list[int]]], *,
-                   picks: Sequence[list[list[int]]] | None = None) -> list[list[torch.Tensor]]:
-    """``positions`` for several sequences (distinct states) of one member: the first run of each in
-    one ``logprobs_at_many`` (batched where the member batches), then the next run of those that have
-    one (a re-sync re-cut an earlier id), and so on."""
-    out: list[list[torch.Tensor]] = [[] for _ in finals]
-    done = [0] * len(finals)
-    while todo := [r for r in range(len(finals)) if done[r] < len(befores[r])]:
-        ends, runs = [], []
-        for r in todo:
-            before, j = befores[r], done[r]
-            end = j + 1  # the run: lists j .. end-1, each a prefix of the next
-            while end < len(before) and _is_prefix(before[end - 1], before[end]):
-                end += 1
-            last = before[end - 1]
-            # feed ``last`` (plus nothing more): the state's ids become it, the cache keeps the common prefix
-            finals[r].drop_cache_after(min(common_prefix(finals[r].cached_ids(), last), len(before[j]) - 1))
-            _set_ids(finals[r], last)
-            ends.append([len(ids) for ids in before[j:end]])
-            runs.append(None if picks is None else picks[r][j:end])
-            done[r] = end
-        got = member.logprobs_at_many([finals[r] for r in todo], ends, picks=None if picks is None else runs)
-        for r, rows in zip(todo, got):
-            out[r].extend(rows)
-    return out
-
-
-def _is_prefix(a: list[int], b: list[int]) -> bool:
-    return len(a) < len(b) and b[: len(a)] == a
-
-
-def _set_ids(st: SeqState, ids: list[int]) -> None:
-    """Point a state at ``ids`` (prompt ids first, which never change)."""
-    st.ids = ids[len(st.prompt_ids):]
-    st.logprobs = None

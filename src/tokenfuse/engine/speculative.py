@@ -9,7 +9,7 @@ One round for one sequence:
    piece before the sequence's length limit and near the end of a member's context.
 2. **Verify.** Every other member that decides (the weighted ones, the gate, the primary) computes
    its distributions before every drafted piece and after the last in as few chunked forwards as
-   its ids allow — the one-forward path of teacher forcing (``likelihood.positions``): the ids a
+   its ids allow — the one-forward path of teacher forcing (``reading.positions``): the ids a
    member holds before each drafted piece are the very ids plain decoding would give it there,
    because re-synchronisation depends on the output bytes only.
 3. **Decide.** Position by position the engine's own decision is taken from those rows
@@ -34,7 +34,7 @@ accepted in this one (at least one, at most ``k``).
 
 Sequences stepped together run their rounds together (``Speculator.run``): each drafted position is
 one drafter forward for every sequence still drafting, and each checking member verifies them all in
-one call (``likelihood.positions_many`` -> ``Member.logprobs_at_many``: one forward per group of
+one call (``reading.positions_many`` -> ``Member.logprobs_at_many``: one forward per group of
 rows on a batched transformers member, the shared context's calls with ``exact_calls`` on
 llama.cpp, one sequence after another elsewhere); then each sequence is decided on its own rows, as
 alone. The rows are a batch's rows, so they equal one-by-one rows wherever a batched step's do (bit
@@ -60,12 +60,12 @@ import torch
 
 from tokenfuse.alignment.union import END
 from tokenfuse.engine.decide import Decider
-from tokenfuse.engine.likelihood import positions_many
 from tokenfuse.engine.options import SpeculativeOptions
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.engine.sequence import Decision, OpenSequence, StepEvent
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member
+from tokenfuse.members.reading import positions_many
 
 
 def default_drafter(members: list[Member]) -> int:

@@ -24,7 +24,7 @@ Each member alone is scored on its own tokens of the document (``single``: the l
 every one of them after the start token).
 
 The members' distributions come from ``Rows``: the member's next-token log-probabilities after each
-of many id lists, which ``from_member`` computes with ``engine.likelihood.positions`` (one chunked
+of many id lists, which ``from_member`` computes with ``members.reading.positions`` (one chunked
 forward per run of lists that only grow: the primary's lists and a member's own tokens are one run;
 healing only ever asks for prefixes of the re-synchronised ids, almost always prefixes of the
 member's own tokens of the document).
@@ -41,14 +41,12 @@ import numpy as np
 import torch
 
 from tokenfuse.alignment.bytetree import TokenBytes
-from tokenfuse.engine.likelihood import positions
 from tokenfuse.engine.sync import incomplete_tail, resync
-from tokenfuse.members.base import Member, SeqState, common_prefix
+from tokenfuse.members.base import Member, SeqState
 from tokenfuse.members.codec import ByteCodec
+from tokenfuse.members.reading import Take, positions
 
 DEFAULT_CANDIDATES = 16
-READERS = 3  # sequence states a ``Rows.reader`` keeps: one per live branch of a byte view's tree
-DROP = 4  # ``state_reader``: a cached id a read drops costs this many ids fed (it is re-fed when its branch grows)
 
 
 @dataclass
@@ -62,8 +60,8 @@ class Rows:
     codec: ByteCodec
     start: list[int]
     fn: Callable[[list[list[int]]], list[torch.Tensor]]
-    take: Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]] | None = None
-    held: Callable[[], contextlib.AbstractContextManager] | None = None
+    take: Take | None = None
+    held: Callable[[], contextlib.AbstractContextManager[Take]] | None = None
 
     @classmethod
     def from_member(cls, member: Member, start: Sequence[int] | None = None) -> Rows:
@@ -81,24 +79,14 @@ class Rows:
         def take(lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
             return [r.numpy().astype(np.float64) for r in fn(lists, ids)]
 
-        @contextlib.contextmanager
-        def held() -> Iterator[Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]]]:
-            tree = member.tree_reader()
-            if tree is not None:  # branches in shared calls (the backend's)
-                with tree as take_tree:
-                    yield take_tree
-                return
-            with state_reader(member, start) as take_held:
-                yield take_held
-
-        return cls(member.name, member.codec, start, fn, take, held)
+        return cls(member.name, member.codec, start, fn, take, lambda: member.reader(start))
 
     @contextlib.contextmanager
-    def reader(self) -> Iterator[Callable[[list[list[int]], list[Sequence[int]]], list[np.ndarray]]]:
-        """``entries`` for many reads along one text (a byte view's): through the member's tree reader
-        where it has one (``Member.tree_reader``: branches off one trunk in shared calls), else on
-        sequence states kept across calls (``state_reader``: a list that shares a prefix with one fed
-        before re-feeds only the rest)."""
+    def reader(self) -> Iterator[Take]:
+        """``entries`` for many reads along one text (a byte model's): the member's reader
+        (``Member.reader``: sequence states kept across calls, a list that shares a prefix with one fed
+        before re-feeding only the rest; on llama.cpp branches off one trunk in shared calls); without
+        one (``held``), ``entries``."""
         if self.held is None:
             yield self.entries
             return
@@ -116,45 +104,6 @@ class Rows:
         if not lists:
             return np.zeros(0)
         return np.array([float(x[0]) for x in self.entries(lists, [[t] for t in ids])], dtype=np.float64)
-
-
-@contextlib.contextmanager
-def state_reader(member: Member, start: Sequence[int]) -> Iterator[Callable[[list[list[int]], list[Sequence[int]]],
-                                                                              list[np.ndarray]]]:
-    """``take(lists, ids)`` on up to ``READERS`` sequence states of ``member`` after ``start`` (each made
-    when first needed), kept across calls (a live branch each): each list goes to the state where it
-    costs least, the ids it must feed plus ``DROP`` times the cached ids it would drop (ties: the
-    longest shared prefix, then the first state). A list that extends one read before re-feeds only its
-    new ids; a short branch off the end of a long list crops it (re-feeding one or two ids is cheaper
-    than a state's whole prefill), and two branches that keep growing apart (byte-level generation's
-    two tokenisations of one text) end up on states of their own."""
-    states: list[SeqState | None] = [None] * READERS  # each made when a list first goes to it
-
-    def take_held(lists: list[list[int]], ids: list[Sequence[int]]) -> list[np.ndarray]:
-        cached = [st.cached_ids() if st is not None else [] for st in states]
-        where = []
-        for x in lists:
-            shared = [common_prefix(c, x) for c in cached]
-            r = min(range(READERS), key=lambda r: (len(x) - shared[r] + DROP * (len(cached[r]) - shared[r]),
-                                                   -shared[r], r))
-            where.append(r)
-            cached[r] = x  # what that state holds once it has read ``x``
-        out: list[np.ndarray | None] = [None] * len(lists)
-        for r in sorted(set(where)):
-            if states[r] is None:
-                states[r] = member.new_state(start)
-            mine = [j for j, w in enumerate(where) if w == r]
-            got = positions(member, states[r], [lists[j] for j in mine], pick=[ids[j] for j in mine])
-            for j, row in zip(mine, got):
-                out[j] = row.numpy().astype(np.float64)
-        return out  # type: ignore[return-value]
-
-    try:
-        yield take_held
-    finally:
-        for st in states:
-            if st is not None:
-                member.release(st)
 
 
 @dataclass

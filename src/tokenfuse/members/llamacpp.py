@@ -84,6 +84,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,11 +207,12 @@ class LlamaCppMember(SharedContext, LocalMember):
                 ctx = LlamaContext(model=self.llm._model, params=self.llm.context_params, verbose=False)
         return Slot(ctx, LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False))
 
-    def tree_reader(self) -> contextlib.AbstractContextManager | None:
-        """Branches off a trunk in shared calls (``tokenfuse.members.llamacpp_tree``); none with
-        ``exact_calls`` (its calls follow the exact rules, which branches do not)."""
-        if self.exact_calls:
-            return None
+    def reader(self, start: Sequence[int], *, shared: bool = True) -> contextlib.AbstractContextManager:
+        """With ``shared``, branches off a trunk in shared calls (``tokenfuse.members.llamacpp_tree``);
+        sequence states (``Member.reader``) without it or with ``exact_calls`` (its calls follow the
+        exact rules, which branches do not)."""
+        if not shared or self.exact_calls:
+            return super().reader(start)
         self.check_loaded()
         return tree_reader(self)
 

@@ -1,4 +1,4 @@
-"""Rows after many id lists that branch off one trunk, on the llama.cpp member (``LlamaCppMember.tree_reader``).
+"""Rows after many id lists that branch off one trunk, on the llama.cpp member (its ``reader``).
 
 A byte-level view (alignment/byteview.py) reads the member's rows after its own tokens of a text (the
 trunk) and after many branches a few ids off it. Fed one by one, each branch is a decode call of its
@@ -48,8 +48,8 @@ class _Branch:
 
 
 class TreeReader:
-    """``take(lists, ids)`` (the byte view's reads: the log-probabilities of ``ids[j]`` after
-    ``lists[j]``) on a context of its own: the module docstring."""
+    """``take(lists, ids)`` (``members.reading.Take``: the log-probabilities of ``ids[j]`` after
+    ``lists[j]``, ``None`` the whole row) on a context of its own: the module docstring."""
 
     def __init__(self, member: Any) -> None:
         from llama_cpp._internals import LlamaBatch, LlamaContext
@@ -159,8 +159,9 @@ class TreeReader:
         for k in range(len(call)):
             ctx.kv_cache_seq_rm(2 + k, -1, -1)
 
-    def _row(self, ctx: Any, i: int, ids: Sequence[int]) -> np.ndarray:
-        return self.member._logprobs(ctx, i, torch.as_tensor(ids, dtype=torch.long)).numpy().astype(np.float64)
+    def _row(self, ctx: Any, i: int, ids: Sequence[int] | None) -> np.ndarray:
+        pick = None if ids is None else torch.as_tensor(ids, dtype=torch.long)
+        return self.member._logprobs(ctx, i, pick).numpy().astype(np.float64)
 
 
 @contextmanager
