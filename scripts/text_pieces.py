@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenfuse.combiners.mixers import Fitted
 from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import DocFeatures
 from tokenfuse.eval.text import doc_key, per_domain
@@ -31,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     run = Path(args.run)
     res = json.loads((run / "results.json").read_text())
-    fitted = text_rows.Fitted.from_dict(res["fitted"][args.row])
+    fitted = Fitted.from_dict(res["fitted"][args.row])
     folder = run / "features" / f"test-{res['primary']}"
     for d in per_domain(load_documents("test"), args.docs):
         f = DocFeatures.from_npz(np.load(folder / f"{doc_key(d)}.npz"))

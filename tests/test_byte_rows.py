@@ -1,5 +1,6 @@
-"""The byte rows (engine/byte_rows.py): each a distribution over byte strings (its weights depend on the
-past bytes only), and fits that do what they say."""
+"""The byte rows (engine/text_rows.py, on the mixers of combiners/mixers.py): each a distribution over byte
+strings (its weights depend on the past bytes only), fits that do what they say, and the mixers the
+``byte`` method steps with giving the rows' numbers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from tokenfuse.engine import byte_rows
+from tokenfuse.combiners import mixers
+from tokenfuse.combiners.mixers import Fitted, Mixer
+from tokenfuse.engine import text_rows
 
 ALPHABET = 3
 LENGTH = 4
@@ -38,16 +41,16 @@ def fitted():
     q = _members(0)
     rng = np.random.default_rng(1)
     dev = [q(tuple(rng.integers(0, ALPHABET, size=30).tolist())) for _ in range(4)]
-    return byte_rows.fit_bytes(dev), dev
+    return text_rows.fit_bytes(dev), dev
 
 
-@pytest.mark.parametrize("row", byte_rows.BYTE_ROWS)
+@pytest.mark.parametrize("row", text_rows.BYTE_ROWS)
 def test_every_row_is_a_distribution_over_strings(fitted, row):
     """The row's probabilities of all strings of each length sum to 1: its weights use past bytes only."""
     fit, _ = fitted
     q = _members(2)
     for n in range(1, LENGTH + 1):
-        total = sum(math.exp(byte_rows.byte_logprobs(row, q(s), fit[row]).sum())
+        total = sum(math.exp(text_rows.byte_logprobs(row, q(s), fit[row]).sum())
                     for s in itertools.product(range(ALPHABET), repeat=n))
         assert abs(total - 1.0) < 1e-12, (row, n, total)
 
@@ -59,14 +62,14 @@ def test_fits_improve_on_what_they_start_from(fitted):
     q = np.concatenate(dev)
 
     def loss(row):
-        return -sum(float(byte_rows.byte_logprobs(row, d, fit[row]).sum()) for d in dev)
+        return -sum(float(text_rows.byte_logprobs(row, d, fit[row]).sum()) for d in dev)
 
     uniform = -float(np.log(q.mean(axis=1)).sum())
     assert loss("byte-mix") < uniform
-    assert loss("byte-switch") <= -sum(float(byte_rows.switch_logprobs(d, np.array(fit["byte-mix"].w), 0.0).sum())
-                                       for d in dev) + 1e-9
+    no_share = Fitted(weights=fit["byte-mix"].weights, alpha=0.0)
+    assert loss("byte-switch") <= -sum(float(mixers.mixed_logprobs("switch", d, no_share).sum()) for d in dev) + 1e-9
     assert loss("byte-gate") <= loss("byte-mix") + 1e-6
-    assert math.isclose(sum(fit["byte-mix"].w), 1.0)
+    assert math.isclose(sum(fit["byte-mix"].weights), 1.0)
 
 
 def test_the_gate_follows_the_member_that_has_been_right():
@@ -76,17 +79,57 @@ def test_the_gate_follows_the_member_that_has_been_right():
     q = np.full((n, 2), 0.05)
     q[: n // 2, 0] = 0.95
     q[n // 2:, 1] = 0.95
-    fit = byte_rows.fit_bytes([q, q.copy()])
-    s = byte_rows.gate_weights(byte_rows.gate_features(np.log(q)), np.array(fit["byte-gate"].gate), 2)
-    assert s[n // 2 - 1, 0] > 0.8 and s[-1, 1] > 0.8
-    gate = -byte_rows.byte_logprobs("byte-gate", q, fit["byte-gate"]).sum()
-    mix = -byte_rows.byte_logprobs("byte-mix", q, fit["byte-mix"]).sum()
+    fit = text_rows.fit_bytes([q, q.copy()])
+    mixer, s = Mixer("gate", fit["byte-gate"], 2), []
+    for p in q:
+        s.append(mixer.weights())
+        mixer.update(p)
+    assert s[n // 2 - 1][0] > 0.8 and s[-1][1] > 0.8
+    gate = -text_rows.byte_logprobs("byte-gate", q, fit["byte-gate"]).sum()
+    mix = -text_rows.byte_logprobs("byte-mix", q, fit["byte-mix"]).sum()
     assert gate < 0.5 * mix
+
+
+@pytest.mark.parametrize("kind", ["mixture", "switch", "gate"])
+def test_a_mixer_stepping_whole_distributions_gives_the_rows_numbers(fitted, kind):
+    """The ``byte`` method's use of a mixer (``combine`` on each member's whole next distribution, then
+    ``update`` with each member's probability of the symbol taken) gives each symbol the probability the
+    row computes from the members' probabilities of it alone (``mixed_logprobs``)."""
+    fit, _ = fitted
+    p = {"mixture": fit["byte-mix"], "switch": Fitted(weights=fit["byte-mix"].weights, alpha=0.1),
+         "gate": fit["byte-gate"]}[kind]
+    rng = np.random.default_rng(3)
+    dists = [np.log(rng.dirichlet(np.full(ALPHABET, 0.5), size=MEMBERS)) for _ in range(12)]
+    text = [int(rng.integers(ALPHABET)) for _ in dists]
+    mixer, got = Mixer(kind, p, MEMBERS), []
+    for lps, x in zip(dists, text):
+        q = mixer.combine(list(lps))
+        assert math.isclose(q.sum(), 1.0)
+        got.append(math.log(q[x]))
+        mixer.update(np.exp(lps[:, x]))
+    want = mixers.mixed_logprobs(kind, np.array([np.exp(lps[:, x]) for lps, x in zip(dists, text)]), p)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_mixer_refuses_numbers_that_do_not_fit_it():
+    with pytest.raises(ValueError, match="mixer gate: needs 21 fitted numbers for 3 members"):
+        Mixer("gate", Fitted(gate=np.zeros(4)), 3)
+    with pytest.raises(ValueError, match="mixer switch: needs 3 weights"):
+        Mixer("switch", Fitted(weights=np.ones(2) / 2), 3)
+    with pytest.raises(ValueError, match="mixer product: needs each member's whole next distribution"):
+        mixers.mixed_logprobs("product", np.ones((1, 2)), Fitted(weights=np.ones(2) / 2))
+
+
+def test_fitted_numbers_read_back_and_the_older_spelling():
+    f = Fitted(weights=np.array([0.25, 0.75]), alpha=0.01, gate=np.arange(3.0))
+    back = Fitted.from_dict(f.as_dict())
+    assert back.weights.tolist() == [0.25, 0.75] and back.alpha == 0.01 and back.gate.tolist() == [0.0, 1.0, 2.0]
+    assert Fitted.from_dict({"w": [0.5, 0.5]}).weights.tolist() == [0.5, 0.5]  # a text-bytes run before one Fitted
 
 
 def test_an_unknown_row_is_named():
     with pytest.raises(ValueError, match="unknown byte row 'nope'"):
-        byte_rows.byte_logprobs("nope", np.ones((1, 2)), byte_rows.ByteFitted())
+        text_rows.byte_logprobs("nope", np.ones((1, 2)), Fitted())
 
 
 def test_text_bytes_run_writes_results_and_resumes(make_tiny, one_thread, text_data, tmp_path, monkeypatch, capsys):
@@ -105,7 +148,7 @@ def test_text_bytes_run_writes_results_and_resumes(make_tiny, one_thread, text_d
     args = ["eval", "--tasks", "text-bytes", "--data", str(text_data), "--out", str(tmp_path / "out"), "--quiet"]
     assert cli.main(args) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert set(res["rows"]) == {"single:g", "single:q", "bytes:g", "bytes:q", "doc-mix", *byte_rows.BYTE_ROWS}
+    assert set(res["rows"]) == {"single:g", "single:q", "bytes:g", "bytes:q", "doc-mix", *text_rows.BYTE_ROWS}
     assert set(res["rows"]["byte-gate"]["vs_doc_mix"]["pooled"]) >= {"gain", "ci", "p_holm"}
     from tokenfuse.eval import pages  # the results pages render the run's results.md from results.json alone
     assert pages.render_run(tmp_path / "out") == (tmp_path / "out" / "results.md").read_text()

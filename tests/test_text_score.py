@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenfuse.combiners.mixers import ALPHAS, Fitted
 from tokenfuse.engine import text_features, text_rows
 from tokenfuse.engine.text_features import Rows, doc_features, primary_tokens
 from tokenfuse.eval.text import aggregate, single_logprobs
@@ -47,10 +48,10 @@ def fake(make_tiny):
     return [_fake_rows(make_tiny(f, seed=i, name=f), seed=i) for i, f in enumerate(fams)]
 
 
-PARAMS = {"doc-mix": text_rows.Fitted(weights=np.array([0.2, 0.5, 0.3])),
-          "gac": text_rows.Fitted(weights=np.array([0.3, 0.3, 0.4])),
-          "switch": text_rows.Fitted(weights=np.array([0.3, 0.3, 0.4]), alpha=0.2),
-          "poe": text_rows.Fitted(beta=np.array([0.5, 0.25, 0.25]))}
+PARAMS = {"doc-mix": Fitted(weights=np.array([0.2, 0.5, 0.3])),
+          "gac": Fitted(weights=np.array([0.3, 0.3, 0.4])),
+          "switch": Fitted(weights=np.array([0.3, 0.3, 0.4]), alpha=0.2),
+          "poe": Fitted(beta=np.array([0.5, 0.25, 0.25]))}
 
 
 def _totals(members, primary: int, rows, *, k: int) -> dict[str, list[float]]:
@@ -62,7 +63,7 @@ def _totals(members, primary: int, rows, *, k: int) -> dict[str, list[float]]:
             f = doc_features("".join(chars), members, primary, k=k, vocabs=vocabs)
             for row in rows:
                 sums[row][n - 1] += math.exp(text_rows.row_logprob(row, f, [m.name for m in members],
-                                                                   PARAMS.get(row, text_rows.Fitted())))
+                                                                   PARAMS.get(row, Fitted())))
     return sums
 
 
@@ -70,7 +71,7 @@ def _totals(members, primary: int, rows, *, k: int) -> dict[str, list[float]]:
 def test_every_row_is_a_distribution_over_byte_strings(fake, primary):
     """Each row's probabilities of all strings of one length sum to at most 1 (a sub-distribution:
     the mass of other tokenisations and of END is not counted), for every length up to MAX_LEN."""
-    rows = [f"single:{m.name}" for m in fake] + list(text_rows.ROWS)
+    rows = [f"single:{m.name}" for m in fake] + list(text_rows.TEXT_ROWS)
     sums = _totals(fake, primary, rows, k=4)
     for row, s in sums.items():
         assert max(s) <= 1 + 1e-9, (row, s)
@@ -120,13 +121,13 @@ def test_fit_recovers_the_better_member_and_rows_aggregate(fake):
     fitted = text_rows.fit(dev, len(fake))
     for row in ("doc-mix", "gac"):
         assert math.isclose(fitted[row].weights.sum(), 1.0)
-    assert fitted["switch"].alpha in text_rows.ALPHAS
+    assert fitted["switch"].alpha in ALPHAS
     assert math.isclose(fitted["poe"].beta.sum(), 1.0)
     # the fit maximises dev likelihood: no grid point or uniform weights do better on dev
     total = lambda row, p: sum(text_rows.row_logprob(row, f, [m.name for m in fake], p) for f in dev)  # noqa: E731
-    uniform = text_rows.Fitted(weights=np.full(3, 1 / 3))
+    uniform = Fitted(weights=np.full(3, 1 / 3))
     assert total("gac", fitted["gac"]) >= total("gac", uniform) - 1e-9
-    assert total("poe", fitted["poe"]) >= total("poe", text_rows.Fitted(beta=np.full(3, 1 / 3))) - 1e-9
+    assert total("poe", fitted["poe"]) >= total("poe", Fitted(beta=np.full(3, 1 / 3))) - 1e-9
     recs = [{"id": str(i), "domain": "x" if i % 2 else "y", "bytes": 4,
              "bits": {"single:a": 8.0 + i, "single:b": 14.0, "gac": 7.0 + i}} for i in range(6)]
     res = aggregate(recs, ["single:a", "single:b", "gac"], ["a", "b"])

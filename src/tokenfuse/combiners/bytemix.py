@@ -43,6 +43,7 @@ from tokenfuse.alignment.bytemodel import RULES, SMOOTH, WIDTH, Pruning
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, Setup, StepView, register
+from tokenfuse.combiners.mixers import Fitted, Mixer
 from tokenfuse.errors import ConfigError
 
 RESERVE_KEEP = 1e-2  # the reserve rule's keep, chosen on dev text with it (docs/benchmarks.md, "Two rules for the pruned mass")
@@ -118,20 +119,12 @@ class ByteMix(Combiner):
 
     def mix(self, logps: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
         """The combined next-symbol probabilities (``float64[257]``, summing to 1) of the members'
-        natural-log distributions ``logps`` with their ``weights`` (those ``≤ 0`` left out)."""
-        live = [(lp, w) for lp, w in zip(logps, weights) if w > 0]
-        if not live:
+        natural-log distributions ``logps`` with their ``weights`` (those ``≤ 0`` left out): the
+        ``combiners.mixers`` mixer ``params.mix``, the one the text scores' rows use."""
+        w = np.asarray(weights, dtype=np.float64)
+        if not (w > 0).any():
             raise ConfigError("members.weight: at least one member needs a positive weight")
-        total = sum(w for _, w in live)
-        if self.params.mix == "product":
-            logq = sum(w / total * lp for lp, w in live)
-            top = float(np.max(logq))
-            if np.isfinite(top):
-                q = np.exp(logq - top)
-                return q / q.sum()
-        q = sum(w / total * np.exp(lp) for lp, w in live)
-        mass = float(q.sum())
-        return q / mass if mass > 0 else np.full(257, 1 / 257)  # (unsmoothed members past a prefix of mass 0)
+        return Mixer(self.params.mix, Fitted(weights=w), len(w)).combine(logps)
 
 
 def _entry(space: VocabSpace, b: int) -> int:

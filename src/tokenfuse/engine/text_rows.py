@@ -9,36 +9,61 @@ primary's next token made from the members' *components* (``components``):
   bytes of each of the primary's ``K`` candidates (``e_j``, ``E_j`` their sum), the rest of the mass
   following the primary. ``Σ_v π_j(v) = 1``.
 
-Rows (``ROWS``), their parameters fit on dev documents only (``fit``):
+Rows (``ROWS``: one registry, each row declaring what it predicts and its mixer), their parameters fit
+on dev documents only (``fit``, ``fit_bytes``; one ``Fitted`` type). Mixers are ``combiners.mixers``', the
+same the ``byte`` method combines its members with:
 
 - ``single:<member>``: the member alone on its own tokens (no parameter).
 - ``doc-mix``: ``log Σ_i w_i p_i(doc)``, the document-level mixture (weights ``w``: EM on dev documents).
-- ``gac``: ``q = Σ_i w_i π_i`` at every token (weights: EM on dev tokens).
-- ``switch``: the same mixture with weights that follow the text (Bayesian mixing with fixed share,
-  Herbster & Warmuth 1998): after each token the weights become the posterior, then a share
-  ``alpha`` of them goes back to the prior ``w`` (``w``: ``gac``'s; ``alpha``: the best of ``ALPHAS``
-  on dev).
+- ``gac``: ``q = Σ_i w_i π_i`` at every token (the ``mixture`` mixer; weights: EM on dev tokens).
+- ``switch``: the same mixture with weights that follow the text (the ``switch`` mixer: Bayesian mixing
+  with fixed share, Herbster & Warmuth 1998): after each token the weights become the posterior, then a
+  share ``alpha`` of them goes back to the prior ``w`` (``w``: ``gac``'s; ``alpha``: the best of
+  ``mixers.ALPHAS`` on dev).
 - ``poe``: the renormalised weighted geometric mean ``q ∝ Π_i π_i^{β_i}``, ``Σ β = 1`` (``β``: the best
   point of a simplex grid on dev). Outside the candidates every component is a multiple of ``p_P``,
   so the normaliser is exact: ``Σ_{c∈C} Π_i π_i(c)^{β_i} + Π_j (1 − E_j)^{β_j} (1 − Σ_{c∈C} p_P(c))``.
+
+On the members' byte models (alignment/bytemodel.py; every member's probability of each next byte given
+the bytes before it, ``q[n, m]``), each row a distribution over the next byte:
+
+- ``bytes:<member>``: the member's byte model alone (no parameter).
+- ``byte-mix``: the ``mixture`` mixer, ``Σ_m w_m q[n, m]`` (weights: EM on the dev bytes).
+- ``byte-switch``: the ``switch`` mixer on bytes (``alpha`` the best of ``ALPHAS`` on dev).
+- ``byte-gate``: the ``gate`` mixer: ``softmax(b + A f[n])``, ``f[n]`` each member's exponential
+  averages of its log-probability of the bytes so far; ``b`` and ``A`` minimise the dev bytes' log-loss
+  (``mixers.fit_gate``).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from tokenfuse.combiners.mixers import Fitted, best_alpha, em_weights, fit_gate, mixed_logprobs
 from tokenfuse.engine.text_features import DocFeatures
 
-ALPHAS = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
 POE_GRID = 0.05
-EM_STEPS = 200
-TOKEN_ROWS = ("gac", "switch", "poe")
-ROWS = ("doc-mix",) + TOKEN_ROWS
+
+
+@dataclass(frozen=True)
+class Row:
+    """What a row predicts (``document``: the whole text at once; ``tokens``: the primary member's next
+    token; ``bytes``: the next byte) and, for a mixture of the members, its mixer (``combiners.mixers``)."""
+
+    predicts: str
+    mixer: str | None = None
+
+
+ROWS = {"doc-mix": Row("document"), "gac": Row("tokens", "mixture"), "switch": Row("tokens", "switch"),
+        "poe": Row("tokens"), "byte-mix": Row("bytes", "mixture"), "byte-switch": Row("bytes", "switch"),
+        "byte-gate": Row("bytes", "gate")}
+TOKEN_ROWS = tuple(r for r, x in ROWS.items() if x.predicts == "tokens")
+BYTE_ROWS = tuple(r for r, x in ROWS.items() if x.predicts == "bytes")
+TEXT_ROWS = ("doc-mix",) + TOKEN_ROWS  # the rows of the ``text`` run besides each member's
 
 
 def components(f: DocFeatures, n_members: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,23 +89,6 @@ def _log(x: np.ndarray) -> np.ndarray:
         return np.log(x)
 
 
-def mixture_logprobs(true: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return _log(true @ w)
-
-
-def switch_logprobs(true: np.ndarray, w: np.ndarray, alpha: float) -> np.ndarray:
-    """Per-token log-probabilities of the fixed-share mixture (weights start at ``w``, the prior)."""
-    out = np.empty(true.shape[0])
-    cur = w.copy()
-    for t in range(true.shape[0]):
-        joint = cur * true[t]
-        q = joint.sum()
-        out[t] = math.log(q) if q > 0 else -math.inf
-        post = joint / q if q > 0 else cur
-        cur = (1.0 - alpha) * post + alpha * w
-    return out
-
-
 def _weighted_log(x: np.ndarray, beta: np.ndarray) -> np.ndarray:
     """``Σ_i β_i log x[..., i]`` with ``0 · log 0 = 0`` (a member with no weight does not veto)."""
     keep = beta > 0
@@ -102,73 +110,40 @@ def poe_logprobs(true: np.ndarray, cand: np.ndarray, f: DocFeatures, beta: np.nd
     return lt - z
 
 
-@dataclass
-class Fitted:
-    """A row's parameters (fit on dev documents)."""
-
-    weights: np.ndarray | None = None  # doc-mix, gac, switch (prior)
-    alpha: float | None = None  # switch
-    beta: np.ndarray | None = None  # poe
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Fitted:
-        """The inverse of ``as_dict`` (a ``text`` run's ``results.json`` ``fitted`` entry)."""
-        return cls(weights=np.array(d["weights"]) if "weights" in d else None, alpha=d.get("alpha"),
-                   beta=np.array(d["beta"]) if "beta" in d else None)
-
-    def as_dict(self) -> dict:
-        out = {}
-        if self.weights is not None:
-            out["weights"] = [round(float(x), 6) for x in self.weights]
-        if self.alpha is not None:
-            out["alpha"] = self.alpha
-        if self.beta is not None:
-            out["beta"] = [round(float(x), 6) for x in self.beta]
-        return out
-
-
 def row_logprob(row: str, f: DocFeatures, names: Sequence[str], p: Fitted) -> float:
     """The row's natural-log probability of the document (``names``: the members, in order)."""
     n_members = len(names)
     if row.startswith("single:"):
         return float(np.sum(f.single[list(names).index(row.split(":", 1)[1])]))
     if row == "doc-mix":
-        lls = np.array([np.sum(f.single[i]) for i in range(n_members)])
-        return float(_logsumexp(lls + _log(p.weights)))
+        return doc_mix_logprob(np.array([np.sum(f.single[i]) for i in range(n_members)]), p.weights)
     true, cand = components(f, n_members)
     return float(np.sum(token_logprobs(row, true, cand, f, p)))
 
 
 def token_logprobs(row: str, true: np.ndarray, cand: np.ndarray, f: DocFeatures, p: Fitted) -> np.ndarray:
     """A token-level row's log-probability of each of the primary's tokens."""
-    if row == "gac":
-        return mixture_logprobs(true, p.weights)
-    if row == "switch":
-        return switch_logprobs(true, p.weights, p.alpha)
+    if row in TOKEN_ROWS and ROWS[row].mixer is not None:
+        return mixed_logprobs(ROWS[row].mixer, true, p)
     if row == "poe":
         return poe_logprobs(true, cand, f, p.beta)
     raise ValueError(f"unknown token-level row {row!r}")
 
 
-def _logsumexp(x: np.ndarray) -> float:
+def doc_mix_logprob(totals: np.ndarray, weights: np.ndarray) -> float:
+    """``doc-mix``: ``log Σ_i w_i exp(totals[i])`` (``totals``: each member's log-probability of the document)."""
+    x = totals + _log(weights)
     top = np.max(x)
     if not np.isfinite(top):
         return float(top)
     return float(top + np.log(np.sum(np.exp(x - top))))
 
 
-def em_weights(log_lik: np.ndarray, steps: int = EM_STEPS) -> np.ndarray:
-    """Mixture weights maximising ``Σ_t log Σ_i w_i exp(log_lik[t, i])`` (EM from uniform)."""
-    n = log_lik.shape[1]
-    w = np.full(n, 1.0 / n)
-    for _ in range(steps):
-        a = log_lik + _log(w)
-        top = np.max(a, axis=1, keepdims=True)
-        resp = np.exp(a - top)
-        resp /= resp.sum(axis=1, keepdims=True)
-        w = np.maximum(resp.mean(axis=0), 1e-12)
-        w /= w.sum()
-    return w
+def byte_logprobs(row: str, q: np.ndarray, fitted: Fitted) -> np.ndarray:
+    """A byte row's natural-log probability of each byte of one document (``q``: ``[n, M]``)."""
+    if row not in BYTE_ROWS:
+        raise ValueError(f"unknown byte row {row!r} (one of {', '.join(BYTE_ROWS)})")
+    return mixed_logprobs(ROWS[row].mixer, q, fitted)
 
 
 def simplex(n: int, step: float) -> list[np.ndarray]:
@@ -182,11 +157,18 @@ def fit(dev: Sequence[DocFeatures], n_members: int) -> dict[str, Fitted]:
     comps = [components(f, n_members) for f in dev]
     true = np.concatenate([c[0] for c in comps])
     w_tok = em_weights(_log(true))
-    best_alpha = max(ALPHAS, key=lambda a: sum(np.sum(switch_logprobs(c[0], w_tok, a)) for c in comps))
+    alpha = best_alpha([c[0] for c in comps], w_tok)
 
     def poe_total(beta: np.ndarray) -> float:
         return float(sum(np.sum(poe_logprobs(c[0], c[1], f, beta)) for c, f in zip(comps, dev)))
 
     best_beta = max(simplex(n_members, POE_GRID), key=poe_total)
     return {"doc-mix": Fitted(weights=em_weights(doc_ll)), "gac": Fitted(weights=w_tok),
-            "switch": Fitted(weights=w_tok, alpha=float(best_alpha)), "poe": Fitted(beta=best_beta)}
+            "switch": Fitted(weights=w_tok, alpha=alpha), "poe": Fitted(beta=best_beta)}
+
+
+def fit_bytes(dev: list[np.ndarray]) -> dict[str, Fitted]:
+    """Every byte row's parameters on the dev documents' ``q`` (one ``[n, M]`` array per document)."""
+    w = em_weights(_log(np.concatenate(dev)))
+    return {"byte-mix": Fitted(weights=w), "byte-switch": Fitted(weights=w, alpha=best_alpha(dev, w)),
+            "byte-gate": Fitted(gate=fit_gate(dev, w))}

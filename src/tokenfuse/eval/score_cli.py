@@ -129,7 +129,7 @@ def _load_fit(path: str, names: list[str], task: str) -> dict:
 
 
 def _fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: float) -> dict:
-    from tokenfuse.engine.text_rows import Fitted
+    from tokenfuse.combiners.mixers import Fitted
 
     if path is None:
         return {"doc-mix": Fitted(weights=weights), "gac": Fitted(weights=weights),
@@ -140,14 +140,14 @@ def _fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: floa
 def _byte_fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: float) -> tuple[dict, np.ndarray, object]:
     """The byte rows' parameters, ``doc-mix``'s weights (``byte-gate`` only from a fit) and the pruning
     the byte models default to: the run's where the fit comes from one."""
-    from tokenfuse.engine.byte_rows import BYTE_ROWS, ByteFitted
+    from tokenfuse.combiners.mixers import Fitted
+    from tokenfuse.engine.text_rows import BYTE_ROWS
     from tokenfuse.eval.text_bytes import run_pruning
 
     if path is None:
-        w = weights.tolist()
-        return {"byte-mix": ByteFitted(w), "byte-switch": ByteFitted(w, alpha)}, weights, None
+        return {"byte-mix": Fitted(weights=weights), "byte-switch": Fitted(weights=weights, alpha=alpha)}, weights, None
     fit = _load_fit(path, names, "text-bytes")
-    rows = {row: ByteFitted.from_dict(fit[row]) for row in BYTE_ROWS}
+    rows = {row: Fitted.from_dict(fit[row]) for row in BYTE_ROWS}
     return rows, np.array(fit["doc-mix"]["weights"]), run_pruning(json.loads(Path(path).read_text()))
 
 

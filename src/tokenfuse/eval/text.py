@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenfuse.alignment.bytemodel import Pruning
+from tokenfuse.combiners.mixers import Fitted
 from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import DocFeatures, Rows, doc_features, primary_tokens
 from tokenfuse.errors import TokenfuseError
@@ -146,7 +147,7 @@ def _add_seconds(out: Path, now: dict[str, float]) -> dict[str, float]:
 
 
 def row_names(members: Sequence[Rows]) -> list[str]:
-    return [f"single:{m.name}" for m in members] + list(text_rows.ROWS)
+    return [f"single:{m.name}" for m in members] + list(text_rows.TEXT_ROWS)
 
 
 def compare(row_bits: np.ndarray, best_bits: np.ndarray) -> dict:
@@ -245,7 +246,7 @@ def run_text(members: Sequence[Rows], settings: TextSettings) -> dict:
     rows = row_names(members)
     records = []
     for d, f in zip(test, test_f):
-        bits = {row: _bits(text_rows.row_logprob(row, f, names, fitted.get(row, text_rows.Fitted())))
+        bits = {row: _bits(text_rows.row_logprob(row, f, names, fitted.get(row, Fitted())))
                 for row in rows}
         records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "pieces": len(f.p_true),
                         "bits": {k: round(v, 4) for k, v in bits.items()}})
@@ -273,7 +274,7 @@ def score_texts(members: Sequence[Rows], texts: Sequence[str], primary: int, fit
         rows = {}
         true, cand = text_rows.components(f, len(members)) if pieces else (None, None)
         for row in row_names(members):
-            p = fitted.get(row, text_rows.Fitted())
+            p = fitted.get(row, Fitted())
             lp = text_rows.row_logprob(row, f, [m.name for m in members], p)
             entry = score_entry(lp, nbytes)
             if pieces and row in text_rows.TOKEN_ROWS:

@@ -1,12 +1,12 @@
 """Bits per byte of held-out text under the byte rows (``tokenfuse eval --tasks text-bytes``): every
-member as a byte-level model (alignment/byteview.py), mixed byte by byte (engine/byte_rows.py).
+member as a byte-level model (alignment/bytemodel.py), mixed byte by byte (the byte rows of engine/text_rows.py).
 
 The run, resumable (each document's numbers are kept under ``--out/bytes/`` as they are made):
 
 1. the first ``DEV_PER_DOMAIN`` dev documents of each domain and every test document: each member's
    byte model of the document (``score_bytes`` with the run's ``Pruning``, its own tokens as the chain)
    and, from the same rows, the member alone on its own tokens (``single``);
-2. the byte rows' weights, rate and gate fit on the dev documents (``byte_rows.fit_bytes``), and
+2. the byte rows' weights, rate and gate fit on the dev documents (``text_rows.fit_bytes``), and
    ``doc-mix``'s weights (EM on the dev documents' ``single`` totals);
 3. every row on every test document → ``items-text-bytes.jsonl``, ``results.json`` and ``results.md``
    as in the ``text`` run (``eval.text.aggregate``: against the best member and against ``doc-mix``,
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,9 +26,9 @@ import numpy as np
 from tokenfuse.alignment.bytemodel import Pruning
 from tokenfuse.alignment.bytetree import TokenBytes
 from tokenfuse.alignment.byteview import score_bytes
-from tokenfuse.engine import byte_rows
+from tokenfuse.combiners.mixers import Fitted, em_weights
+from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import Rows, primary_tokens
-from tokenfuse.engine.text_rows import em_weights
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.batches import stderr_log
 from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, compare, doc_key, markdown,
@@ -41,7 +40,7 @@ from tokenfuse.tasks.text import Document, load_documents
 
 def row_names(members: Sequence[Rows]) -> list[str]:
     return ([f"single:{m.name}" for m in members] + [f"bytes:{m.name}" for m in members] + ["doc-mix"]
-            + list(byte_rows.BYTE_ROWS))
+            + list(text_rows.BYTE_ROWS))
 
 
 def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str, pruning: Pruning,
@@ -128,7 +127,7 @@ def _q(f: dict[str, np.ndarray], n: int) -> np.ndarray:
     return np.exp(np.stack([f[f"q{i}"] for i in range(n)], axis=1))
 
 
-def doc_logprobs(f: dict[str, np.ndarray], names: Sequence[str], fitted: dict[str, byte_rows.ByteFitted],
+def doc_logprobs(f: dict[str, np.ndarray], names: Sequence[str], fitted: dict[str, Fitted],
                  doc_w: np.ndarray) -> dict[str, float]:
     """Every row's natural-log probability of one document from its ``doc_bytes``: ``single`` and
     ``bytes`` per member, ``doc-mix`` (weights ``doc_w``) and each byte row in ``fitted``."""
@@ -136,10 +135,9 @@ def doc_logprobs(f: dict[str, np.ndarray], names: Sequence[str], fitted: dict[st
     single = np.array([f[f"single{i}"].sum() for i in range(n)])
     lp = {f"single:{names[i]}": float(single[i]) for i in range(n)}
     lp |= {f"bytes:{names[i]}": float(f[f"q{i}"].sum()) for i in range(n)}
-    top = single.max()
-    lp["doc-mix"] = float(top + math.log(float(np.exp(single - top) @ doc_w)))
+    lp["doc-mix"] = text_rows.doc_mix_logprob(single, doc_w)
     q = _q(f, n)
-    lp |= {row: float(byte_rows.byte_logprobs(row, q, fitted[row]).sum()) for row in byte_rows.BYTE_ROWS
+    lp |= {row: float(text_rows.byte_logprobs(row, q, fitted[row]).sum()) for row in text_rows.BYTE_ROWS
            if row in fitted}
     return lp
 
@@ -157,7 +155,7 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     _same_pruning(out / "bytes", pruning)
     dev_f = _features(members, dev, "dev", out, pruning, settings.progress)
     t_dev = time.perf_counter() - t0
-    fitted = byte_rows.fit_bytes([_q(f, n) for f in dev_f])
+    fitted = text_rows.fit_bytes([_q(f, n) for f in dev_f])
     doc_w = em_weights(np.array([[f[f"single{i}"].sum() for i in range(n)] for f in dev_f]))
     stderr_log("text-bytes fit on dev: doc-mix " + str(np.round(doc_w, 4).tolist()) + "; "
                + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
@@ -177,7 +175,7 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
                | {"doc-mix": {"weights": doc_w.tolist()}},
                "dev_documents": len(dev), "test_documents": len(test),
                "seconds": _add_seconds(out, {"dev_bytes": t_dev, "test_bytes": t_test})}
-    results |= aggregate(records, rows, names, versus_doc_mix=byte_rows.BYTE_ROWS)
+    results |= aggregate(records, rows, names, versus_doc_mix=text_rows.BYTE_ROWS)
     results["vs_best_view"] = versus_views(records, names)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text(render(results))
@@ -194,7 +192,7 @@ def versus_views(records: Sequence[dict], names: Sequence[str]) -> dict:
     comparison): ``compare``'s gain, interval and p-value, not Holm-adjusted (one family of three)."""
     bits = {row: np.array([r["bits"][row] for r in records]) for row in records[0]["bits"]}
     best = min((f"bytes:{m}" for m in names), key=lambda row: bits[row].sum())
-    return {row: compare(bits[row], bits[best]) | {"best": best} for row in byte_rows.BYTE_ROWS}
+    return {row: compare(bits[row], bits[best]) | {"best": best} for row in text_rows.BYTE_ROWS}
 
 
 def views_markdown(vs: dict) -> str:
@@ -206,7 +204,7 @@ def views_markdown(vs: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str, byte_rows.ByteFitted],
+def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str, Fitted],
                 doc_w: np.ndarray, pruning: Pruning, *, progress: bool = True) -> list[dict]:
     """``tokenfuse score --bytes``: every row of this run (those in ``fitted`` of the byte rows) on each
     text, in ``score``'s ``--json`` shape per text, with what each member's byte model cost: the rows it
