@@ -13,11 +13,15 @@ under the top rule, keep 1e-2, width 1; a byte's probability depends only on the
 slice's are the first bytes of its document's).
 
     TOKENFUSE_DATA=../shared/benchmarks .venv/bin/python scripts/measure_byte_cost.py --slices \
-        --rule drop --keep 0.01 --width 1 --smooth 1e-4 [--out docs/benchmarks/cpu-byteview-cost.json]
+        --rule defer --keep 0.002 [--out docs/benchmarks/cpu-byteview-cost-slices.json]
+    TOKENFUSE_DATA=../shared/benchmarks .venv/bin/python scripts/measure_byte_cost.py --split \
+        --run docs/results/text-bytes-defer --out docs/benchmarks/cpu-byteview-cost.json
 
 Run it alone on the machine. Prints one JSON object: per member ``rows_per_byte``, ``rows_per_own_token``,
 ``view_vs_own`` (seconds of the byte model ÷ seconds of the own scoring), ``bits_vs_top`` (relative
-difference in bits per byte against the top rule) and the raw counts.
+difference in bits per byte against the top rule) and the raw counts; with ``--run``, also ``dev_gain``:
+each byte row's gain over the best member on those dev documents (the rows fit on them) under the run's
+pruning and under the first run's top rule.
 """
 
 from __future__ import annotations
@@ -100,6 +104,20 @@ def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: P
         m.unload()
 
 
+def dev_gains(folder: Path, docs: list, n: int) -> dict:
+    """Each byte row's gain over the best member alone (its own tokens) on the dev documents' views in
+    ``folder``, the rows fit on those same documents (in-sample: the dev split is the fit's): ``1 −
+    bits(row) / bits(best)``, pooled."""
+    from tokenfuse.engine import text_rows
+
+    views = [dict(np.load(folder / "bytes" / "dev" / f"{doc_key(d)}.npz")) for d in docs]
+    q = [np.exp(np.stack([f[f"q{i}"] for i in range(n)], axis=1)) for f in views]
+    fitted = text_rows.fit_bytes(q)
+    best = min(-sum(float(f[f"single{i}"].sum()) for f in views) for i in range(n))
+    return {row: round(1 - -sum(float(text_rows.byte_logprobs(row, x, fitted[row]).sum()) for x in q) / best, 5)
+            for row in text_rows.BYTE_ROWS}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = ap.add_mutually_exclusive_group(required=True)
@@ -134,6 +152,9 @@ def main() -> None:
         out[name] = measure(name, run["members"].index(name), docs, SLICE if args.slices else None, pruning,
                             Path(args.run) if args.run else None)
         print(json.dumps({name: out[name]}), flush=True)
+    if args.run:  # the byte rows' dev gains under this run's pruning and under the top rule's first run
+        n = len(run["members"])
+        out["dev_gain"] = {"run": dev_gains(Path(args.run), docs, n), "top": dev_gains(RUN, docs, n)}
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

@@ -5,6 +5,7 @@ tiny random-weight members with the real tokenizers."""
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import re
 from dataclasses import replace
@@ -23,7 +24,9 @@ from tokenfuse.alignment.bytetree import TokenBytes
 from tokenfuse.alignment.byteview import score_bytes
 from tokenfuse.combiners import StepView, combiner_class, get_combiner
 from tokenfuse.combiners.base import FEATURES
-from tokenfuse.combiners.bytemix import ByteParams
+from tokenfuse.bundled import DEFAULT_ENSEMBLE
+from tokenfuse.combiners.bytemix import ByteParams, load_fit
+from tokenfuse.combiners.mixers import RATES, Fitted, mixed_logprobs
 from tokenfuse.engine import Ensemble
 from tokenfuse.engine.bytegen import ByteDecider, choose, inverse_cdf, utf8_allowed
 from tokenfuse.engine.decide import Decider
@@ -66,7 +69,7 @@ class Reference:
     without ``ByteModel``'s next_distribution (each byte scored alone)."""
 
     def __init__(self, members, prompt: str, **prune) -> None:
-        defaults = ByteParams().model_dump(exclude={"mix"})  # the byte method's views, unless given
+        defaults = ByteParams().model_dump(include={"keep", "width", "rule", "smooth"})  # the byte method's views, unless given
         self.members, self.prune = members, defaults | prune
         self.rows = [Rows.from_member(m, prompt_ids(m, prompt)) for m in members]
         self.tokens = [TokenBytes(m.codec.token_bytes) for m in members]
@@ -91,8 +94,10 @@ class Reference:
         q[256] = np.exp(score_bytes(out, tokens, rows.start, take, end=True, **self.prune).end)
         return q
 
-    def mixture(self, out: bytes, room: int) -> np.ndarray:
-        w = np.array([m.weight for m in self.members]) / sum(m.weight for m in self.members)
+    def mixture(self, out: bytes, room: int, w: np.ndarray | None = None) -> np.ndarray:
+        """The masked mixture after ``out`` at weights ``w`` (default: the members' own, normalised)."""
+        if w is None:
+            w = np.array([m.weight for m in self.members]) / sum(m.weight for m in self.members)
         q = sum(wk * self.member(k, out) for k, wk in enumerate(w))
         ok = np.array([completable(out + bytes([b]), room - 1) for b in range(256)] + [completable(out, 0)])
         q = np.where(ok, q, 0.0)
@@ -155,6 +160,59 @@ def test_mixture_and_product():
 
 
 # ---------------------------------------------------------------------------------------- generation
+def _gate_fit(tmp_path, names, seed=0) -> str:
+    """A fit file for ``names`` with seeded gate numbers (large enough to move the weights)."""
+    m = len(names)
+    gate = np.random.default_rng(seed).normal(0, 0.5, size=m + m * m * len(RATES))
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps({"task": "text-bytes", "members": names, "fitted": {"byte-gate": {"gate": gate.tolist()}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("mix", ["switch", "gate"])
+def test_greedy_under_a_mixer_with_a_state_follows_the_reference(pair, align_cache, tmp_path, mix):
+    """``mix: switch`` and ``gate``: each step mixes at the weights the mixer has after the output so far
+    (updated with every member's probability of each byte taken): the greedy chain and each byte's
+    traced probability are the reference's masked mixture at those weights."""
+    n = 6
+    params = {"mix": mix, "rule": "top", "keep": 0.05}
+    params |= {"alpha": 0.3} if mix == "switch" else {"fit": _gate_fit(tmp_path, [m.name for m in pair])}
+    ens = Ensemble(pair, method="byte", params=params, align_cache=align_cache)
+    g = ens.generate(PROMPT, max_new_tokens=n, trace=True)
+    mixer = ens.combiner.new_mixer([m.weight for m in pair])
+    ref, out, probs = Reference(pair, PROMPT, rule="top", keep=0.05), b"", []
+    for step in range(n):
+        q = ref.mixture(out, n - step, mixer.weights())
+        b = int(np.argmax(q))
+        probs.append(q[b])
+        if b == 256:
+            break
+        mixer.update(np.array([ref.member(k, out)[b] for k in range(len(pair))]))
+        out += bytes([b])
+    assert g.output == out
+    # (rtol: generation reads rows on kept sequence states, the reference on fresh ones; a cache against a
+    # prefill differs in float rounding, ~1e-7 here)
+    np.testing.assert_allclose([s.prob for s in g.trace], probs[:len(g.trace)], rtol=1e-6)
+    plain = Ensemble(pair, method="byte", params={"rule": "top", "keep": 0.05}, align_cache=align_cache)
+    assert [s.prob for s in plain.generate(PROMPT, max_new_tokens=n, trace=True).trace] != [s.prob for s in g.trace]
+
+
+def test_a_mixer_fit_is_checked_against_the_members(pair, align_cache, tmp_path):
+    """``gate`` without a fit for these members, a fit for other members, a file that is no fit: each a
+    ``ConfigError`` naming ``params.fit``; the bundled members' fit ships with the package."""
+    with pytest.raises(ConfigError, match="params.fit: the bundled members' fit is for members smollm2-135m-instruct"):
+        Ensemble(pair, method="byte", params={"mix": "gate"}, align_cache=align_cache)
+    other = _gate_fit(tmp_path, ["A", "C"])
+    with pytest.raises(ConfigError, match=r"params.fit: .*fit.json is for members A, C; this ensemble is A, B"):
+        Ensemble(pair, method="byte", params={"mix": "gate", "fit": other}, align_cache=align_cache)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="params.fit: .*bad.json is no text-bytes fit"):
+        Ensemble(pair, method="byte", params={"mix": "switch", "fit": str(bad)}, align_cache=align_cache)
+    fit = load_fit(None, list(DEFAULT_ENSEMBLE))
+    assert set(fit["fitted"]) >= {"byte-mix", "byte-switch", "byte-gate"} and fit["rule"] == "defer"
+
+
 @pytest.mark.parametrize("rule", ["reserve", "top", "defer"])
 def test_greedy_is_the_argmax_chain_of_the_mixture(pair, align_cache, rule):
     """Greedy ``byte`` output equals the argmax chain of an independent computation of the masked
@@ -275,9 +333,64 @@ def test_bad_options_name_their_field(pair, align_cache, fields, where):
         Ensemble(pair, method="byte", align_cache=align_cache, **fields)
 
 
-def test_scoring_is_refused(byte_ens):
-    with pytest.raises(ConfigError, match="method: byte"):
-        byte_ens.loglikelihood([("a", "b")])
+# ---------------------------------------------------------------------------------------- likelihood on bytes
+def _member_bytes(m, text: str, **prune) -> np.ndarray:
+    """Member ``m``'s byte model of ``text`` from its start ids, each row read on a fresh state."""
+    rows, data = Rows.from_member(m), text.encode()
+    p = Pruning(**(ByteParams().model_dump(include={"keep", "width", "rule", "smooth"}) | prune))
+    return score_bytes(data, TokenBytes(m.codec.token_bytes), rows.start, rows.entries, pruning=p).logprobs
+
+
+@pytest.mark.parametrize("mix", ["mixture", "switch", "gate"])
+def test_loglikelihood_is_the_mixed_byte_models_of_the_whole_text(pair, align_cache, tmp_path, mix):
+    """Each option's log-likelihood is the sum over its bytes of the mixer's conditionals, the mixer having
+    read the context's bytes too, from each member's byte model of context + option from its start ids
+    (recomputed here on fresh states); a request split in two adds up (chain rule)."""
+    params = {"mix": mix} | ({"alpha": 0.3} if mix == "switch" else {})
+    if mix == "gate":
+        params["fit"] = _gate_fit(tmp_path, [m.name for m in pair])
+    ens = Ensemble(pair, method="byte", params=params, align_cache=align_cache)
+    ctx, opts = "Q: ab ba?\nA:", [" ab", " ba ab", " b\u00e9"]
+    got = ens.loglikelihood([(ctx, o) for o in opts])
+    w = np.array([m.weight for m in pair])
+    fitted = Fitted(weights=w / w.sum(), alpha=0.3) if mix != "gate" else ens.combiner.fitted
+    for o, lk in zip(opts, got):
+        p = np.exp(np.stack([_member_bytes(m, ctx + o) for m in pair], axis=1))
+        want = mixed_logprobs(mix, p, fitted)[len(ctx.encode()):]
+        assert lk.bytes == lk.pieces == len(o.encode()) and lk.ensembled == len(o.encode())
+        np.testing.assert_allclose(lk.piece_logprobs, want, rtol=0, atol=1e-5)
+        assert lk.logprob == pytest.approx(sum(lk.piece_logprobs), abs=1e-12)
+    head, tail = ens.loglikelihood([(ctx, " ba"), (ctx + " ba", " ab")])
+    assert head.logprob + tail.logprob == pytest.approx(got[1].logprob, abs=1e-5)
+
+
+def test_one_byte_continuations_and_the_end_sum_to_one(pair, align_cache):
+    """Over every one-byte continuation of a context, the mixture's probabilities and its end's sum to 1:
+    a conditional distribution, nothing masked."""
+    ens = Ensemble(pair, method="byte", align_cache=align_cache)
+    ctx = "ab"
+    total = sum(math.exp(lk.logprob) for lk in ens.loglikelihood([(ctx, chr(b)) for b in range(128)]))
+    w = np.array([m.weight for m in pair]) / sum(m.weight for m in pair)
+    rest = 0.0  # the bytes 128..255 (no whole character alone) and the end, from each member's byte model
+    for m, wk in zip(pair, w):
+        rows, tb = Rows.from_member(m), TokenBytes(m.codec.token_bytes)
+        p = Pruning(**ByteParams().model_dump(include={"keep", "width", "rule", "smooth"}))
+        model = ByteModel(tb, rows.start, rows.entries, p)
+        for b in ctx.encode():
+            model.advance(b)
+        q = np.exp(model.next_distribution())
+        rest += wk * (q[128:256].sum() + q[256])
+    assert total + rest == pytest.approx(1.0, abs=1e-5)
+
+
+def test_scoring_refuses_product_chat_and_prompt_logprobs(pair, align_cache):
+    with pytest.raises(ConfigError, match="params.mix: product scores no bytes"):
+        Ensemble(pair, method="byte", params={"mix": "product"}, align_cache=align_cache).loglikelihood([("a", "b")])
+    ens = Ensemble(pair, method="byte", align_cache=align_cache)
+    with pytest.raises(ConfigError, match="chat: the byte method scores a context's bytes"):
+        ens.loglikelihood([("a", "b")], chat=True)
+    with pytest.raises(ConfigError, match="give it as text, not chat messages"):
+        ens.loglikelihood([([{"role": "user", "content": "a"}], "b")])
 
 
 # ---------------------------------------------------------------------------------------- entry points
@@ -339,12 +452,12 @@ def test_the_engine_checks_no_unit():
     assert hits == []
 
 
-def test_scoring_refuses_with_the_declared_error(byte_ens):
+def test_prompt_scoring_refuses_with_the_declared_error(byte_ens):
     with pytest.raises(ConfigError) as err:
-        byte_ens.loglikelihood([("a", "b")])
+        byte_ens.score_prompt("a b")
     assert str(err.value) == combiner_class("byte").lacks["scoring"] == (
-        "method: byte generates byte by byte and scores no pieces (loglikelihood, prompt logprobs with echo); "
-        "use method gac for them, or tokenfuse score for bytes")
+        "method: byte scores bytes, not pieces: loglikelihood is on bytes; prompt logprobs (echo) are not "
+        "available with it; use method gac for them, or tokenfuse score --bytes")
 
 
 def test_what_byte_steps_lack_is_declared():

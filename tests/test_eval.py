@@ -157,6 +157,25 @@ def test_adaptive_rows():
     assert other.with_overrides(**sel.overrides).params == {"select": 0.5}  # unite's params stay with unite
 
 
+def test_byte_rows_are_the_byte_method_with_its_mixer():
+    """``byte-mix`` and ``byte-gate``: the byte method with ``mix`` mixture and gate; a config whose method
+    is ``byte`` gives them its fit file, its other parameters stay its own."""
+    from tokenfuse.config import parse_config
+
+    cfg = parse_config({"members": [{"name": "a"}, {"name": "b"}]})
+    specs = plan_methods(cfg, ["byte-mix", "byte-gate"], form="likelihood", registered=["gac", "byte"], log=lambda m: None)
+    rows = {s.name: cfg.with_overrides(**s.overrides) for s in specs if s.overrides}
+    assert (rows["byte-mix"].method, rows["byte-mix"].params) == ("byte", {"mix": "mixture"})
+    assert rows["byte-gate"].params == {"mix": "gate"}
+    own = parse_config({"members": [{"name": "a"}, {"name": "b"}], "method": "byte",
+                        "params": {"fit": "fit.json", "mix": "switch", "alpha": 0.2}})
+    specs = plan_methods(own, ["byte-gate"], form="generate", registered=["byte"], log=lambda m: None)
+    assert own.with_overrides(**specs[-1].overrides).params == {"fit": "fit.json", "mix": "gate", "alpha": 0.2}
+    logs: list[str] = []
+    assert not [s for s in plan_methods(cfg, ["byte-mix"], form="generate", registered=["gac"], log=logs.append)
+                if s.name == "byte-mix"] and any("byte-mix: skipped" in m for m in logs)
+
+
 # ---------------------------------------------------------------------------------------- table
 def _rec(i, correct, **kw):
     return {"id": str(i), "correct": correct, **kw}

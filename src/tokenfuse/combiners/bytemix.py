@@ -11,6 +11,17 @@ combines them (``mix``, ``params.mix``):
 - ``product``: ``Π_m p_m^{w_m}`` (the same normalised weights as exponents: for equal weights the
   geometric mean), renormalised over the 257 outcomes; where no outcome has mass under every member,
   the mixture;
+- ``switch``: the mixture with weights that follow the output: after each byte they become the
+  posterior, then a share ``alpha`` goes back to the members' weights (the ``byte-switch`` row);
+- ``gate``: the mixture with weights ``softmax(b + A f)``, ``f`` each member's running averages of its
+  own log-probabilities of the output's bytes so far (the ``byte-gate`` row; ``b``, ``A`` from a fit);
+
+(``combiners.mixers``, the code of the text scores' rows too; for ``switch`` and ``gate`` the engine
+keeps each sequence's ``Mixer`` and gives its weights as per-row factors, ``StepView.log_factors``).
+The numbers of ``switch`` (``alpha``) and ``gate`` come from ``params.fit``, a text-bytes fit file (a
+``tokenfuse eval --tasks text-bytes`` run's results.json, or a file of its shape): by default the one
+shipped for the bundled three members (``fits/bundled-bytes.json``, built from the shared dev text by
+``scripts/fit_bytes.py``); ``params.alpha`` sets ``switch``'s share without a fit;
 
 then gives probability 0 to the outcomes the step may not choose (``StepView.allowed``: those that
 would not keep the output whole UTF-8 text; and a byte that is no union entry) and renormalises
@@ -31,8 +42,11 @@ as the top rule.
 from __future__ import annotations
 
 import bisect
+import json
 import warnings
 from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -43,7 +57,7 @@ from tokenfuse.alignment.bytemodel import RULES, SMOOTH, WIDTH, Pruning
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, Setup, StepView, register
-from tokenfuse.combiners.mixers import Fitted, Mixer
+from tokenfuse.combiners.mixers import MIXERS, RATES, Fitted, Mixer
 from tokenfuse.errors import ConfigError
 
 RESERVE_KEEP = 1e-2  # the reserve rule's keep, chosen on dev text with it (docs/benchmarks.md, "Two rules for the pruned mass")
@@ -51,14 +65,17 @@ _NO_PIECES = "not available with method byte (it chooses bytes, not pieces)"
 
 
 class ByteParams(BaseModel):
-    """``mix``: ``mixture`` or ``product`` (module docstring); ``keep``, ``width``, ``rule``, ``smooth``:
+    """``mix``: ``mixture``, ``product``, ``switch`` or ``gate``; ``alpha``: ``switch``'s share (default:
+    the fit's); ``fit``: a text-bytes fit file for ``switch`` and ``gate`` (module docstring); ``keep``, ``width``, ``rule``, ``smooth``:
     each member's byte model's pruning (``alignment.bytemodel.Pruning``: a history below ``keep`` times
     the prefix mass, or past the ``width`` most probable at its boundary, is pruned; ``keep = 0`` and
     ``width = None``: exact; ``rule``: where the pruned mass goes, ``reserve`` by default here). The old
     spelling ``reserve: true|false`` is read as ``rule: reserve|top``."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    mix: Literal["mixture", "product"] = "mixture"
+    mix: Literal[MIXERS] = "mixture"  # type: ignore[valid-type]
+    alpha: float | None = Field(None, ge=0, le=1)
+    fit: str | None = None
     keep: float = Field(RESERVE_KEEP, ge=0, lt=1)
     width: int | None = Field(WIDTH, ge=1)
     rule: Literal[RULES] = "reserve"  # type: ignore[valid-type]
@@ -94,8 +111,8 @@ class ByteMix(Combiner):
         "gate": f"gate: {_NO_PIECES}; drop gate or use method gac",
         "speculative": f"speculative: {_NO_PIECES}; drop speculative or use method gac",
         "agreement_skip": f"agreement_skip: {_NO_PIECES}",
-        "scoring": "method: byte generates byte by byte and scores no pieces (loglikelihood, prompt logprobs "
-                   "with echo); use method gac for them, or tokenfuse score for bytes",
+        "scoring": "method: byte scores bytes, not pieces: loglikelihood is on bytes; prompt logprobs (echo) "
+                   "are not available with it; use method gac for them, or tokenfuse score --bytes",
     }
 
     def bind(self, setup: Setup) -> None:
@@ -104,13 +121,41 @@ class ByteMix(Combiner):
         super().bind(setup)
         self.entries = torch.tensor([_entry(setup.space, b) for b in range(256)] + [END], dtype=torch.int64)
         self.known = (self.entries >= 0).numpy()
+        self.fitted = self._fitted([m.name for m in setup.members])
+
+    def _fitted(self, names: list[str]) -> Fitted | None:
+        """``switch``'s share or ``gate``'s numbers, from ``params`` and the fit file (``None``: no mixer
+        with a state)."""
+        p = self.params
+        if p.mix not in ("switch", "gate") or (p.mix == "switch" and p.alpha is not None):
+            return None if p.mix != "switch" else Fitted(alpha=p.alpha)
+        fit = load_fit(p.fit, names)
+        row = fit["fitted"].get(f"byte-{p.mix}")
+        if row is None:
+            raise ConfigError(f"params.fit: {p.fit or DEFAULT_FIT} has no byte-{p.mix} numbers")
+        got = Fitted.from_dict(row)
+        return Fitted(alpha=got.alpha if p.alpha is None else p.alpha) if p.mix == "switch" else got
+
+    def new_mixer(self, weights: Sequence[float]) -> Mixer | None:
+        """A sequence's mixer of the members with these (positive) weights, for ``switch`` and ``gate``
+        (``None`` for ``mixture`` and ``product``, whose weights are the members' own)."""
+        if self.fitted is None:
+            return None
+        w = np.asarray(weights, dtype=np.float64)
+        if self.params.mix == "switch":
+            return Mixer("switch", Fitted(weights=w / w.sum(), alpha=self.fitted.alpha), len(w))
+        if len(self.fitted.gate) != len(w) * (1 + len(w) * len(RATES)):
+            raise ConfigError("params.mix: gate mixes every member of its fit; give each a positive weight")
+        return Mixer("gate", self.fitted, len(w))
 
     def combine(self, view: StepView) -> Dist:
         """The members' next-symbol distributions (``view.logprobs``: ``float64[R, 257]`` each) mixed
         (``mix``) and restricted to the outcomes allowed (module docstring), ``float64[R, 257]``."""
         rows = []
+        live = self.weights(view)  # the members' weights times the per-row factors (a mixer's weights)
         for r in range(view.rows):
-            q = self.mix([view.logprobs[i][r].numpy() for i in view.computed], view.weights)
+            w = [float(x) if isinstance(x, float) else float(x[r]) for _, x in live]
+            q = self.mix([view.logprobs[i][r].numpy() for i, _ in live], w)
             ok = self.known if view.allowed is None else view.allowed[r].numpy() & self.known
             q = np.where(ok, q, 0.0)
             mass = q.sum()
@@ -124,7 +169,32 @@ class ByteMix(Combiner):
         w = np.asarray(weights, dtype=np.float64)
         if not (w > 0).any():
             raise ConfigError("members.weight: at least one member needs a positive weight")
-        return Mixer(self.params.mix, Fitted(weights=w), len(w)).combine(logps)
+        kind = "product" if self.params.mix == "product" else "mixture"  # switch, gate: the mixture at their weights
+        return Mixer(kind, Fitted(weights=w), len(w)).combine(logps)
+
+
+DEFAULT_FIT = "fits/bundled-bytes.json"  # in this package: the bundled members' text fit
+
+
+def load_fit(path: str | None, names: list[str]) -> dict:
+    """A text-bytes fit file (``path``; ``None``: the bundled members' one), checked against the
+    members ``names`` (the same, in the same order)."""
+    try:
+        text = (Path(path).read_text(encoding="utf-8") if path is not None
+                else resources.files("tokenfuse.combiners").joinpath(DEFAULT_FIT).read_text(encoding="utf-8"))
+        fit = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"params.fit: cannot read {path or DEFAULT_FIT} ({e}); give a text-bytes run's "
+                          "results.json") from None
+    if not isinstance(fit, dict) or not isinstance(fit.get("fitted"), dict) or "members" not in fit:
+        raise ConfigError(f"params.fit: {path or DEFAULT_FIT} is no text-bytes fit (no 'members' and 'fitted'); "
+                          "give a text-bytes run's results.json")
+    if list(fit["members"]) != list(names):
+        where = "the bundled members' fit" if path is None else path
+        raise ConfigError(f"params.fit: {where} is for members {', '.join(fit['members'])}; this ensemble is "
+                          f"{', '.join(names)}; give params.fit for these members (a tokenfuse eval --tasks "
+                          "text-bytes run's results.json), or params.alpha for switch")
+    return fit
 
 
 def _entry(space: VocabSpace, b: int) -> int:

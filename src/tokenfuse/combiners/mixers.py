@@ -111,6 +111,22 @@ class Mixer:
             x = np.repeat(np.maximum(_log(np.maximum(p, 1e-300)), FLOOR), len(RATES))
             self.f = (1.0 - self.rates) * self.f + self.rates * x
 
+    def logprobs(self, p: np.ndarray) -> np.ndarray:
+        """The natural-log probability of each symbol of a text, from each member's probability of it
+        (``p``: ``[n, m]``): ``log Σ_m w_m p[t, m]`` with the weights before symbol ``t``, updating after
+        each."""
+        if self.kind == "product":
+            raise ValueError("mixer product: needs each member's whole next distribution, not its probability "
+                             "of one symbol")
+        if self.kind == "mixture":  # fixed weights: at once
+            return _log(p @ self.cur)
+        out = np.empty(p.shape[0])
+        for t in range(p.shape[0]):
+            q = float(self.weights() @ p[t])
+            out[t] = math.log(q) if q > 0 else -math.inf
+            self.update(p[t])
+        return out
+
     def combine(self, logps: Sequence[np.ndarray]) -> np.ndarray:
         """The next symbol's probabilities (summing to 1) from the members' natural-log distributions
         over all outcomes (one array each), with this symbol's ``weights``; members of weight 0 left out.
@@ -131,19 +147,8 @@ class Mixer:
 
 
 def mixed_logprobs(kind: str, p: np.ndarray, fitted: Fitted) -> np.ndarray:
-    """A mixer's natural-log probability of each symbol of one text, from each member's probability of it
-    (``p``: ``[n, m]``): ``log Σ_m w_m p[t, m]`` with the weights before symbol ``t``."""
-    if kind == "product":
-        raise ValueError("mixer product: needs each member's whole next distribution, not its probability of one symbol")
-    if kind == "mixture":  # fixed weights: at once
-        return _log(p @ fitted.weights)
-    mixer = Mixer(kind, fitted, p.shape[1])
-    out = np.empty(p.shape[0])
-    for t in range(p.shape[0]):
-        q = float(mixer.weights() @ p[t])
-        out[t] = math.log(q) if q > 0 else -math.inf
-        mixer.update(p[t])
-    return out
+    """A mixer's natural-log probability of each symbol of one text (``Mixer.logprobs``)."""
+    return Mixer(kind, fitted, p.shape[1]).logprobs(p)
 
 
 def em_weights(log_lik: np.ndarray, steps: int = EM_STEPS) -> np.ndarray:

@@ -36,6 +36,7 @@ agreement skip, scoring pieces) the combiner declares (``Combiner.lacks``).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -47,6 +48,7 @@ from tokenfuse.alignment.byteview import TokenBytes
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, StepView
+from tokenfuse.combiners.mixers import Mixer
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.options import EnsembleOptions
 from tokenfuse.engine.pool import MemberOutput, MemberPool
@@ -100,10 +102,15 @@ def choose(q: np.ndarray, sampling: Sampling, generator: torch.Generator | None)
 @dataclass
 class ByteSequence:
     """What one sequence of the ``byte`` method holds: a ``ByteModel`` per member computed (by member
-    index) and the member readers they read through (closed by ``ByteDecider.release``)."""
+    index), the member readers they read through (closed by ``ByteDecider.release``), and for a mixer
+    with a state (``switch``, ``gate``) that mixer over the members ``mixed`` and their latest
+    next-symbol distributions (``last``: what ``update`` reads after the choice)."""
 
     states: dict[int, ByteModel]
     readers: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    mixer: Mixer | None = None
+    mixed: list[int] = field(default_factory=list)
+    last: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 class ByteDecider(Decider):
@@ -139,6 +146,8 @@ class ByteDecider(Decider):
                 start = list(s.states[i].prompt_ids)
                 take = seq.readers.enter_context(self.members[i].reader(start, shared=False))
                 seq.states[i] = ByteModel(self.table(i), start, take, p.pruning)
+            seq.mixed = [i for i in self.computed() if self.members[i].weight > 0]
+            seq.mixer = self.combiner.new_mixer([self.members[i].weight for i in seq.mixed])
         except BaseException:
             seq.readers.close()
             raise
@@ -162,6 +171,8 @@ class ByteDecider(Decider):
             dists = self.pool.run([i for i in which if any(st[i].pending for st in states)],
                                   lambda i: [st[i].next_distribution() for st in states])
             dists |= {i: [st[i].next_distribution() for st in states] for i in which if i not in dists}
+        for r, s in enumerate(seqs):
+            s.notes[NOTE].last = {i: dists[i][r] for i in which}
         return {i: MemberOutput(logprobs=torch.from_numpy(np.stack(dists[i]))) for i in which}
 
     def view(self, seqs: list[OpenSequence], members: list[int], outs: dict[int, MemberOutput],
@@ -170,6 +181,7 @@ class ByteDecider(Decider):
         view = super().view(seqs, members, outs, pick)
         with self.timer.stage("combine"):
             view.allowed = torch.from_numpy(np.stack([_allowed(s) for s in seqs]))
+            _mixer_factors(view, [s.notes[NOTE] for s in seqs])
         return view
 
     def distribution(self, view: StepView, members: list[int]) -> Dist:
@@ -183,9 +195,12 @@ class ByteDecider(Decider):
         got = []
         for row, s in zip(rows, seqs):
             sym = choose(dist.probs[row].numpy(), s.sampling, s.generator)
+            seq = s.notes[NOTE]
             if sym != END_SYMBOL:
-                for st in s.notes[NOTE].states.values():
+                for st in seq.states.values():
                     st.advance(sym)
+                if seq.mixer is not None:
+                    seq.mixer.update(np.exp([seq.last[i][sym] for i in seq.mixed]))
             got.append(dist.entry(row, sym))
         return got
 
@@ -203,6 +218,21 @@ class ByteDecider(Decider):
         rec = StepRecord(token=_symbol_text(sym, end), end=sym == END_SYMBOL, prob=float(q[sym]), top=_top(q, k, end),
                          gated=False, ensembled=len(dists) > 1, skipped=False, members=members)
         return replace(d, trace=rec)
+
+
+def _mixer_factors(view: StepView, seqs: list[ByteSequence]) -> None:
+    """A mixer's weights on each row as log factors over the members' own weights (added to those of
+    the strategies), so the combiner mixes at the mixer's weights; rows without a mixer: factor 1."""
+    if not any(q.mixer is not None for q in seqs):
+        return
+    for i, w in zip(view.computed, view.weights):
+        if w <= 0:
+            continue
+        f = torch.zeros(view.rows, dtype=torch.float64)
+        for r, q in enumerate(seqs):
+            if q.mixer is not None:
+                f[r] = math.log(max(float(q.mixer.weights()[q.mixed.index(i)]), 1e-300)) - math.log(w)
+        view.log_factors[i] = view.log_factors.get(i, 0) + f
 
 
 def _allowed(s: OpenSequence) -> np.ndarray:

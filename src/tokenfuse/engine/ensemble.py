@@ -34,6 +34,7 @@ from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END, UnionVocab
 from tokenfuse.combiners import Setup, get_combiner
 from tokenfuse.engine.bytegen import ByteDecider
+from tokenfuse.engine.bytescore import byte_loglikelihood
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import Likelihood, RowMemo, score
 from tokenfuse.engine.pool import MemberPool
@@ -296,10 +297,13 @@ class Ensemble:
     def loglikelihood(self, requests: Sequence[tuple[Prompt, str]], *, chat: bool = False,
                       stepwise: bool | None = None, memo: RowMemo | None = None) -> list[Likelihood]:
         """Log-likelihood of each ``(context, continuation)`` under the token-level ensemble
-        (definition: ``tokenfuse.engine.likelihood``); ``stepwise`` takes the piece-by-piece
+        (definition: ``tokenfuse.engine.likelihood``; the ``byte`` method's on bytes:
+        ``tokenfuse.engine.bytescore``); ``stepwise`` takes the piece-by-piece
         reference path instead of one-forward scoring (default: the ensemble's ``scoring``);
         ``memo`` (a ``RowMemo``) shares the members' rows with other scorings of the same requests,
         e.g. by other ensembles on the same loaded members."""
+        if self.combiner.needs == "bytes":  # the byte method scores bytes (engine/bytescore.py)
+            return byte_loglikelihood(self.members, self.combiner, self.decider.table, self.pool, requests, chat=chat)
         if stepwise is None:
             stepwise = self.options.scoring == "stepwise"
         return self._score(requests, chat=chat, stepwise=stepwise, memo=memo)

@@ -14,6 +14,8 @@ Method names (``--methods``):
 | ``gac-prompt`` | engine | GaC with PackLLM prompt weights (``prompt_weights`` τ 0.1, ``prompt_bytes`` 512) |
 | ``safe`` | engine | GaC + SAFE (SAFE's Table 2): ``params.safe`` (the paper's defaults: chunks of 5, sharpening), the primary member drafting and gating at 0.5 |
 | ``contrast`` | engine | contrastive decoding across tokenizers: the primary member the expert, the others amateurs (``alpha`` 0.1, ``beta`` 0.5) |
+| ``byte-mix`` | engine | the ``byte`` method, ``mix: mixture`` (the config's weights): generation byte by byte; likelihood on bytes |
+| ``byte-gate`` | engine | the ``byte`` method, ``mix: gate`` (the text fit: the bundled members' by default, or the config's ``params.fit`` when its method is ``byte``) |
 | ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
 | ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
 | ``seq-avg`` | output | likelihood form only: each option scored by the mean of the members' per-byte log-likelihoods |
@@ -57,7 +59,9 @@ from tokenfuse.errors import TokenfuseError
 ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entropy"},
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512},
                  "safe": {"safe": True}}
-ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS, "contrast")
+# the byte method's rows: the mixer each sets (the text-bytes rows' names)
+BYTE_ROWS = {"byte-mix": "mixture", "byte-gate": "gate"}
+ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS, "contrast", *BYTE_ROWS)
 OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
 ANSWER_METHODS = ("mux", "sc")
 ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2], *ANSWER_METHODS, "auto")
@@ -133,7 +137,7 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
                 continue
             specs.append(MethodSpec(n, "output", members))
             continue
-        combiner = "gac" if n == "gac-threshold" or n in ADAPTIVE_ROWS else n
+        combiner = "gac" if n == "gac-threshold" or n in ADAPTIVE_ROWS else "byte" if n in BYTE_ROWS else n
         if combiner not in registered:
             log(f"{n}: skipped (no combiner {combiner!r} is registered; available: {', '.join(sorted(registered))})")
             continue
@@ -151,6 +155,9 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
                 over.update(primary=primary, gate=primary, threshold=DEFAULT_THRESHOLD, speculative=None)
                 if cfg.params.get("select") is not None:
                     over["params"]["select"] = None
+        elif n in BYTE_ROWS:
+            fit = {"fit": cfg.params["fit"]} if cfg.method == "byte" and cfg.params.get("fit") else {}
+            over = {"method": "byte", "gate": None, "threshold": None, "params": {"mix": BYTE_ROWS[n]} | fit}
         else:  # the config's params carry over only to its own method (EnsembleConfig.with_overrides)
             over = {"method": n, "gate": None, "threshold": None}
         specs.append(MethodSpec(n, "engine", members, over | pinned))

@@ -142,6 +142,32 @@ def doc_logprobs(f: dict[str, np.ndarray], names: Sequence[str], fitted: dict[st
     return lp
 
 
+def _fit(dev_f: Sequence[dict[str, np.ndarray]], n: int) -> tuple[dict[str, Fitted], np.ndarray]:
+    """The byte rows' numbers and ``doc-mix``'s weights on the dev documents' views."""
+    return (text_rows.fit_bytes([_q(f, n) for f in dev_f]),
+            em_weights(np.array([[f[f"single{i}"].sum() for i in range(n)] for f in dev_f])))
+
+
+def dev_fit(out: Path, names: Sequence[str], data: str | None = None, dev_per_domain: int = DEV_PER_DOMAIN) -> dict:
+    """A fit file from a ``text-bytes`` run's dev views alone (``--out``'s ``bytes/dev``; no test document
+    read): the shape of its results.json's ``task``, ``members``, pruning and ``fitted`` (what the ``byte``
+    method's ``params.fit`` and ``tokenfuse score --bytes --fitted`` read)."""
+    dev = per_domain(load_documents("dev", data), dev_per_domain)
+    paths = [out / "bytes" / "dev" / f"{doc_key(d)}.npz" for d in dev]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise TokenfuseError(f"{out}: {len(missing)} of its {len(dev)} dev documents have no byte view yet "
+                             f"(first: {missing[0]}); run tokenfuse eval --tasks text-bytes --out {out} first")
+    dev_f = [dict(np.load(p)) for p in paths]
+    if any(f"q{len(names) - 1}" not in f or f"q{len(names)}" in f for f in dev_f):
+        raise TokenfuseError(f"{out}: its views are not of {len(names)} members ({', '.join(names)})")
+    pruning = Pruning(**json.loads((out / "bytes" / "pruning.json").read_text()))
+    fitted, doc_w = _fit(dev_f, len(names))
+    return {"task": "text-bytes", "members": list(names), **pruning_dict(pruning),
+            "fitted": {row: p.as_dict() for row, p in fitted.items()} | {"doc-mix": {"weights": doc_w.tolist()}},
+            "dev_documents": len(dev), "dev_bytes": sum(d.nbytes for d in dev)}
+
+
 def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     """The whole run (the module docstring); returns ``results.json``'s content."""
     out = Path(settings.out)
@@ -155,8 +181,7 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
     _same_pruning(out / "bytes", pruning)
     dev_f = _features(members, dev, "dev", out, pruning, settings.progress)
     t_dev = time.perf_counter() - t0
-    fitted = text_rows.fit_bytes([_q(f, n) for f in dev_f])
-    doc_w = em_weights(np.array([[f[f"single{i}"].sum() for i in range(n)] for f in dev_f]))
+    fitted, doc_w = _fit(dev_f, n)
     stderr_log("text-bytes fit on dev: doc-mix " + str(np.round(doc_w, 4).tolist()) + "; "
                + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
     test_f = _features(members, test, "test", out, pruning, settings.progress)

@@ -1,0 +1,98 @@
+"""Likelihood on bytes: the ``byte`` method's ``loglikelihood``.
+
+``log P(continuation | context)`` under the method's mixture of the members' byte models of the whole
+text. Every member with a positive weight scores the bytes of ``context + continuation`` from its start
+ids (its ``ByteModel`` under the method's pruning: ``score_bytes``, its own tokens of the text read
+ahead), so a token may straddle the boundary and nothing is conditioned away; the mixer (``params.mix``:
+``mixture``, ``switch`` or ``gate``, ``combiners.mixers``) reads every byte of the text from the first;
+the continuation's log-probability is the sum of its bytes' mixed conditionals, i.e. ``log P(context +
+continuation) − log P(context)`` under the mixture. The end is not scored. The options of one question
+share their context: each member reads through one reader per context (``Member.reader``), whose cache
+keeps the context's rows.
+
+Nothing is masked: these are the probabilities of the members' byte models mixed, a distribution over
+every byte string. (Generation differs in two ways: it starts each byte model after the prompt's ids, so
+the prompt is not scored, and it renormalises each step over the bytes that keep the output whole
+UTF-8 text.) ``product`` does not score this way (its normaliser needs every member's whole next
+distribution at every byte): refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from tokenfuse.alignment.bytetree import TokenBytes
+from tokenfuse.alignment.byteview import score_bytes
+from tokenfuse.combiners.mixers import Fitted, Mixer
+from tokenfuse.engine.likelihood import Likelihood
+from tokenfuse.engine.pool import MemberPool
+from tokenfuse.engine.prompt import Prompt, TwoFormPrompt
+from tokenfuse.engine.text_features import primary_tokens
+from tokenfuse.errors import AlignmentError, ConfigError
+from tokenfuse.members.base import Member
+
+
+def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[int], TokenBytes], pool: MemberPool,
+                       requests: Sequence[tuple[Prompt, str]], *, chat: bool = False) -> list[Likelihood]:
+    """Each ``(context, continuation)``'s log-likelihood on bytes (the module docstring); ``combiner``: the
+    ``byte`` method's (``params``, ``new_mixer``), ``tables(i)``: member ``i``'s tokens by bytes."""
+    if combiner.params.mix == "product":
+        raise ConfigError("params.mix: product scores no bytes (its normaliser needs every member's whole next "
+                          "distribution); score with mix mixture, switch or gate")
+    texts = [(_context(ctx, chat), cont) for ctx, cont in requests]
+    live = [i for i, m in enumerate(members) if m.weight > 0]
+    weights = np.array([members[i].weight for i in live], dtype=np.float64)
+    groups: dict[str, list[int]] = {}
+    for k, (ctx, _) in enumerate(texts):
+        groups.setdefault(ctx, []).append(k)
+    out: list[Likelihood | None] = [None] * len(requests)
+    for ctx, ks in groups.items():
+        conts = [texts[k][1] for k in ks]
+        lps = pool.run(live, lambda i: _member_logprobs(members[i], tables(i), combiner.params.pruning, ctx, conts))
+        n_ctx = len(ctx.encode("utf-8"))
+        for j, (k, cont) in enumerate(zip(ks, conts)):
+            p = np.exp(np.stack([lps[i][j] for i in live], axis=1))
+            mixer = combiner.new_mixer(list(weights)) or Mixer("mixture", Fitted(weights=weights / weights.sum()), len(live))
+            mixed = mixer.logprobs(p)[n_ctx:]
+            data = cont.encode("utf-8")
+            out[k] = Likelihood(float(mixed.sum()), len(data), len(data), ensembled=len(data) if len(live) > 1 else 0,
+                                piece_logprobs=tuple(float(x) for x in mixed),
+                                piece_bytes=tuple(bytes([b]) for b in data))
+    return out  # type: ignore[return-value]
+
+
+def _member_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str]) -> list[np.ndarray]:
+    """The member's byte model's natural-log probability of each byte of ``ctx + cont``, for each ``cont``."""
+    start = member.encode_prompt("")
+    out = []
+    with member.reader(start) as take:
+        for cont in conts:
+            text = ctx + cont
+            out.append(score_bytes(text.encode("utf-8"), tokens, start, take, chain=_own(member, text),
+                                   pruning=pruning).logprobs)
+    return out
+
+
+def _own(member: Member, text: str) -> list[int]:
+    """The member's own tokens of ``text``, read ahead (none where its tokenizer cannot spell the text:
+    reading ahead is a cache, the numbers are the same without it)."""
+    try:
+        return primary_tokens(member.codec, text)
+    except AlignmentError:
+        return []
+
+
+def _context(prompt: Prompt, chat: bool) -> str:
+    """The context as text: a string as it is, a two-form prompt's raw form; chat messages (each member
+    would render them with its own template, so no bytes are common to all) are refused."""
+    if chat:
+        raise ConfigError("chat: the byte method scores a context's bytes, the same for every member; "
+                          "give the context as text, without chat")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, TwoFormPrompt):
+        return prompt.raw
+    raise ConfigError("the byte method scores a context's bytes, the same for every member: give it as text, "
+                      "not chat messages")
