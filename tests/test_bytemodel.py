@@ -141,3 +141,27 @@ def test_a_bad_byte_is_refused(fake):
     st = _model(fake["gemma3"])
     with pytest.raises(ValueError, match="byte"):
         st.advance(256)
+
+
+@pytest.mark.parametrize("prune", PRUNINGS)
+def test_a_fork_continues_as_a_model_of_the_whole_text(fake, prune):
+    """Forks of a model after a context, each advanced by its own continuation (one first reading whole
+    next distributions), give each byte what a model of context + continuation gives, bit for bit, and
+    leave the forked model where it was."""
+    rows = fake["qwen"]
+    ctx, conts = b"abba", [b"ab", b"ba", b"bbab"]
+    model = _model(rows, **prune)
+    for b in ctx:
+        model.advance(b)
+    before = model.next_distribution().copy()
+    for k, cont in enumerate(conts):
+        fork = model.fork()
+        got = []
+        for b in cont:
+            if k == 0:
+                fork.next_distribution()
+            got.append(fork.advance(b))
+        whole = _model(rows, **prune)
+        want = [whole.advance(b) for b in ctx + cont][len(ctx):]
+        assert got == want
+    assert np.array_equal(model.next_distribution(), before) and len(model) == len(ctx)

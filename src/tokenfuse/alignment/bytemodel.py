@@ -68,6 +68,7 @@ every later symbol gets ``1 / 257``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -216,6 +217,18 @@ class ByteModel:
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def fork(self) -> ByteModel:
+        """An independent model after the same bytes, sharing the rows read so far (never read again, and
+        never changed in place) and the reads: a context's model continued by each of several
+        continuations gives each the numbers of a model of the whole text (the model is causal)."""
+        new = copy.copy(self)
+        new.data, new.cover, new.mass, new.lost = bytearray(self.data), list(self.cover), list(self.mass), list(self.lost)
+        new.dropped = copy.copy(self.dropped)
+        new.live, new.kept = [copy.copy(h) for h in self.live], [copy.copy(h) for h in self.kept]
+        new.cands = None if self.cands is None else dict(self.cands)
+        new.deferred, new._fallback = copy.copy(self.deferred), copy.copy(self._fallback)
+        return new
 
     @property
     def pending(self) -> bool:

@@ -2,13 +2,13 @@
 
 ``log P(continuation | context)`` under the method's mixture of the members' byte models of the whole
 text. Every member with a positive weight scores the bytes of ``context + continuation`` from its start
-ids (its ``ByteModel`` under the method's pruning: ``score_bytes``, its own tokens of the text read
-ahead), so a token may straddle the boundary and nothing is conditioned away; the mixer (``params.mix``:
+ids (its ``ByteModel`` under the method's pruning), so a token may straddle the boundary and nothing is conditioned away; the mixer (``params.mix``:
 ``mixture``, ``switch`` or ``gate``, ``combiners.mixers``) reads every byte of the text from the first;
 the continuation's log-probability is the sum of its bytes' mixed conditionals, i.e. ``log P(context +
 continuation) − log P(context)`` under the mixture. The end is not scored. The options of one question
-share their context: each member reads through one reader per context (``Member.reader``), whose cache
-keeps the context's rows.
+share their context: each member runs one model over it (its own tokens of it read ahead, through one
+reader per context, ``Member.reader``) and forks it for each continuation (``ByteModel.fork``: the
+model is causal, so a fork gives the numbers of a model of the whole text).
 
 Nothing is masked: these are the probabilities of the members' byte models mixed, a distribution over
 every byte string. (Generation differs in two ways: it starts each byte model after the prompt's ids, so
@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tokenfuse.alignment.bytetree import TokenBytes
-from tokenfuse.alignment.byteview import score_bytes
+from tokenfuse.alignment.bytemodel import ByteModel
+from tokenfuse.alignment.byteview import Lookahead
 from tokenfuse.combiners.mixers import Fitted, Mixer
 from tokenfuse.engine.likelihood import Likelihood
 from tokenfuse.engine.pool import MemberPool
@@ -64,15 +65,18 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
 
 
 def _member_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str]) -> list[np.ndarray]:
-    """The member's byte model's natural-log probability of each byte of ``ctx + cont``, for each ``cont``."""
-    start = member.encode_prompt("")
-    out = []
+    """The member's byte model's natural-log probability of each byte of ``ctx + cont``, for each ``cont``:
+    one model over the context (its own tokens of it read ahead), forked for each continuation."""
+    start, data = member.encode_prompt(""), ctx.encode("utf-8")
     with member.reader(start) as take:
+        ahead = Lookahead(data, tokens, start, take, _own(member, ctx), pruning, True) if data else None
+        model = ByteModel(tokens, start, take, pruning, reads=ahead)
+        head = [model.advance(b) for b in data]
+        out = []
         for cont in conts:
-            text = ctx + cont
-            out.append(score_bytes(text.encode("utf-8"), tokens, start, take, chain=_own(member, text),
-                                   pruning=pruning).logprobs)
-    return out
+            fork = model.fork()
+            out.append(np.array(head + [fork.advance(b) for b in cont.encode("utf-8")], dtype=np.float64))
+        return out
 
 
 def _own(member: Member, text: str) -> list[int]:
