@@ -165,7 +165,9 @@ def _gate_fit(tmp_path, names, seed=0) -> str:
     m = len(names)
     gate = np.random.default_rng(seed).normal(0, 0.5, size=m + m * m * len(RATES))
     path = tmp_path / "fit.json"
-    path.write_text(json.dumps({"task": "text-bytes", "members": names, "fitted": {"byte-gate": {"gate": gate.tolist()}}}))
+    mix = {"weights": [0.9] + [0.1 / (m - 1)] * (m - 1)}
+    path.write_text(json.dumps({"task": "text-bytes", "members": names,
+                                "fitted": {"byte-gate": {"gate": gate.tolist()}, "byte-mix": mix}}))
     return str(path)
 
 
@@ -341,22 +343,23 @@ def _member_bytes(m, text: str, **prune) -> np.ndarray:
     return score_bytes(data, TokenBytes(m.codec.token_bytes), rows.start, rows.entries, pruning=p).logprobs
 
 
-@pytest.mark.parametrize("mix", ["mixture", "switch", "gate"])
+@pytest.mark.parametrize("mix", ["mixture", "switch", "gate", "mixture-fit"])
 def test_loglikelihood_is_the_mixed_byte_models_of_the_whole_text(pair, align_cache, tmp_path, mix):
     """Each option's log-likelihood is the sum over its bytes of the mixer's conditionals, the mixer having
     read the context's bytes too, from each member's byte model of context + option from its start ids
     (recomputed here on fresh states); a request split in two adds up (chain rule)."""
-    params = {"mix": mix} | ({"alpha": 0.3} if mix == "switch" else {})
-    if mix == "gate":
+    params = {"mix": mix.split("-")[0]} | ({"alpha": 0.3} if mix == "switch" else {})
+    if mix in ("gate", "mixture-fit"):  # mixture with a fit: at the fit's weights, not the members'
         params["fit"] = _gate_fit(tmp_path, [m.name for m in pair])
     ens = Ensemble(pair, method="byte", params=params, align_cache=align_cache)
     ctx, opts = "Q: ab ba?\nA:", [" ab", " ba ab", " b\u00e9"]
     got = ens.loglikelihood([(ctx, o) for o in opts])
     w = np.array([m.weight for m in pair])
-    fitted = Fitted(weights=w / w.sum(), alpha=0.3) if mix != "gate" else ens.combiner.fitted
+    fitted = {"gate": ens.combiner.fitted, "mixture-fit": Fitted(weights=np.array([0.9, 0.1]))}.get(
+        mix, Fitted(weights=w / w.sum(), alpha=0.3))
     for o, lk in zip(opts, got):
         p = np.exp(np.stack([_member_bytes(m, ctx + o) for m in pair], axis=1))
-        want = mixed_logprobs(mix, p, fitted)[len(ctx.encode()):]
+        want = mixed_logprobs(mix.split("-")[0], p, fitted)[len(ctx.encode()):]
         assert lk.bytes == lk.pieces == len(o.encode()) and lk.ensembled == len(o.encode())
         np.testing.assert_allclose(lk.piece_logprobs, want, rtol=0, atol=1e-5)
         assert lk.logprob == pytest.approx(sum(lk.piece_logprobs), abs=1e-12)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -343,6 +344,39 @@ def tiny_pair(make_tiny, one_thread):
 
     members = [make_tiny("smollm2", seed=1, name="s"), make_tiny("qwen", seed=2, name="q")]
     return members, Ensemble(members).union
+
+
+def test_byte_rows_are_fit_on_the_tasks_dev_items(tiny_pair, data_dir, tmp_path):
+    """``byte-mix`` and ``byte-gate`` on a likelihood task: their numbers fit on the gold options of its dev
+    items (a fit file in the run's folder, the rows' ``params.fit``; made once), the rows scored on bytes."""
+    members, union = tiny_pair
+    dev = [{"id": f"d-{i}", "question": q, "choices": ch, "answer": a, "task": "ARC-Easy"} for i, (q, ch, a) in
+           enumerate([("Which is cold?", ["ice", "fire"], "A"), ("Which is wet?", ["sand", "rain"], "B")])]
+    (data_dir / "arc" / "easy_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dev), encoding="utf-8")
+    logs: list[str] = []
+    settings = EvalSettings(tasks=["arc_easy"], methods=["byte-mix", "byte-gate"], limit=2, data=str(data_dir),
+                            out=str(tmp_path), batch_size=2, num_fewshot=0, progress=False)
+    run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=union, log=logs.append)
+    fit = json.loads((tmp_path / "fits" / "arc_easy.json").read_text())
+    assert fit["members"] == ["s", "q"] and fit["dev_items"] == 2 and math.isclose(sum(fit["fitted"]["byte-mix"]["weights"]), 1)
+    assert len(fit["fitted"]["byte-gate"]["gate"]) == 2 + 2 * 2 * 2
+    spec = json.loads((tmp_path / "items" / "arc_easy-likelihood" / "byte-gate.spec.json").read_text())
+    assert spec["overrides"]["params"] == {"mix": "gate", "fit": str(tmp_path / "fits" / "arc_easy.json")}
+    rows = [json.loads(x) for x in (tmp_path / "items" / "arc_easy-likelihood" / "byte-mix.jsonl").open()]
+    assert len(rows) == 2 and all(r["bytes"] == [len(o.encode()) for o in r["options"]] for r in rows)
+    assert sum("fitting the byte rows" in m for m in logs) == 1
+    run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=union, log=logs.append)
+    assert sum("fitting the byte rows" in m for m in logs) == 1  # made once
+
+
+def test_byte_rows_generate_four_bytes_for_each_token_of_the_limit(tiny_pair, data_dir, tmp_path):
+    """In the generate form a task's limit is in tokens: the byte rows get ``steps_per_token`` (4) bytes for each."""
+    members, union = tiny_pair
+    settings = EvalSettings(tasks=["triviaqa"], methods=["byte-mix"], limit=2, data=str(data_dir), out=str(tmp_path),
+                            batch_size=2, num_fewshot=0, progress=False, max_new_tokens={"triviaqa": 3})
+    run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=union, log=lambda m: None)
+    rows = [json.loads(x) for x in (tmp_path / "items" / "triviaqa-generate" / "byte-mix.jsonl").open()]
+    assert len(rows) == 2 and all(r["steps"] <= 12 for r in rows) and max(r["steps"] for r in rows) > 3
 
 
 def test_output_rows_resume_from_packed_likelihood_records_without_options(tiny_pair, data_dir, tmp_path):

@@ -170,6 +170,8 @@ class Combiner(ABC):
             error a request for it gets. The options refuse ``gate`` and ``speculative``, scoring
             (``loglikelihood``, prompt logprobs) refuses ``scoring``, and a lacked ``agreement_skip`` is
             off even where the options set it; ``can`` and ``refuse`` ask.
+        steps_per_token: how many of its steps one token of a length limit given in tokens stands for
+            (``tokenfuse eval``'s per-task limits): 1, a byte step 4.
     """
 
     name: ClassVar[str]
@@ -178,6 +180,7 @@ class Combiner(ABC):
     exact_agreement: ClassVar[bool] = True
     adaptive: ClassVar[bool] = False
     lacks: ClassVar[Mapping[str, str]] = {}
+    steps_per_token: ClassVar[int] = 1
     k: int = 0
 
     def __init__(self, params: BaseModel | None = None) -> None:

@@ -18,7 +18,8 @@ combines them (``mix``, ``params.mix``):
 
 (``combiners.mixers``, the code of the text scores' rows too; for ``switch`` and ``gate`` the engine
 keeps each sequence's ``Mixer`` and gives its weights as per-row factors, ``StepView.log_factors``).
-The numbers of ``switch`` (``alpha``) and ``gate`` come from ``params.fit``, a text-bytes fit file (a
+With ``params.fit``, ``mixture`` mixes at the fit's ``byte-mix`` weights instead of the members'. The
+numbers of ``switch`` (``alpha``) and ``gate`` come from ``params.fit``, a text-bytes fit file (a
 ``tokenfuse eval --tasks text-bytes`` run's results.json, or a file of its shape): by default the one
 shipped for the bundled three members (``fits/bundled-bytes.json``, built from the shared dev text by
 ``scripts/fit_bytes.py``); ``params.alpha`` sets ``switch``'s share without a fit;
@@ -107,6 +108,7 @@ class ByteMix(Combiner):
     Params = ByteParams
     needs = "bytes"
     exact_agreement = False
+    steps_per_token = 4  # a limit in tokens (eval's per-task limits) stands for about 4 bytes
     lacks = {
         "gate": f"gate: {_NO_PIECES}; drop gate or use method gac",
         "speculative": f"speculative: {_NO_PIECES}; drop speculative or use method gac",
@@ -127,21 +129,33 @@ class ByteMix(Combiner):
         """``switch``'s share or ``gate``'s numbers, from ``params`` and the fit file (``None``: no mixer
         with a state)."""
         p = self.params
-        if p.mix not in ("switch", "gate") or (p.mix == "switch" and p.alpha is not None):
-            return None if p.mix != "switch" else Fitted(alpha=p.alpha)
+        if p.mix == "product" or (p.mix == "mixture" and p.fit is None):
+            return None  # the members' own weights
+        if p.mix == "switch" and p.alpha is not None:
+            return Fitted(alpha=p.alpha)
         fit = load_fit(p.fit, names)
-        row = fit["fitted"].get(f"byte-{p.mix}")
+        row = fit["fitted"].get(self._row)
         if row is None:
-            raise ConfigError(f"params.fit: {p.fit or DEFAULT_FIT} has no byte-{p.mix} numbers")
+            raise ConfigError(f"params.fit: {p.fit or DEFAULT_FIT} has no {self._row} numbers")
         got = Fitted.from_dict(row)
         return Fitted(alpha=got.alpha if p.alpha is None else p.alpha) if p.mix == "switch" else got
 
+    @property
+    def _row(self) -> str:
+        return f"byte-{'mix' if self.params.mix == 'mixture' else self.params.mix}"
+
     def new_mixer(self, weights: Sequence[float]) -> Mixer | None:
-        """A sequence's mixer of the members with these (positive) weights, for ``switch`` and ``gate``
-        (``None`` for ``mixture`` and ``product``, whose weights are the members' own)."""
+        """A sequence's mixer of the members with these (positive) weights, for ``switch`` and ``gate``,
+        and ``mixture`` at a fit's weights (``None`` for ``mixture`` without a fit and ``product``, whose
+        weights are the members' own)."""
         if self.fitted is None:
             return None
         w = np.asarray(weights, dtype=np.float64)
+        if self.params.mix == "mixture":
+            if len(self.fitted.weights) != len(w):
+                raise ConfigError("params.fit: its byte-mix weights are for every member of the fit; give each a "
+                                  "positive weight")
+            return Mixer("mixture", self.fitted, len(w))
         if self.params.mix == "switch":
             return Mixer("switch", Fitted(weights=w / w.sum(), alpha=self.fitted.alpha), len(w))
         if len(self.fitted.gate) != len(w) * (1 + len(w) * len(RATES)):

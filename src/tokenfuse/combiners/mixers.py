@@ -183,14 +183,16 @@ def gate_features(p: np.ndarray) -> np.ndarray:
     return out
 
 
-def fit_gate(texts: Sequence[np.ndarray], init: np.ndarray) -> np.ndarray:
+def fit_gate(texts: Sequence[np.ndarray], init: np.ndarray, starts: Sequence[int] | None = None) -> np.ndarray:
     """``b, A`` of the gate on the texts (``p``, one ``[n, m]`` each), from ``b = log init`` and ``A = 0``:
-    the least log-loss with an L2 penalty ``GATE_L2`` per symbol (L-BFGS)."""
+    the least log-loss with an L2 penalty ``GATE_L2`` per symbol (L-BFGS). ``starts``: per text, the first
+    symbol the loss counts (the features read every symbol from the first: a context before an answer)."""
     from scipy.optimize import minimize
 
+    starts = starts or [0] * len(texts)
     m = texts[0].shape[1]
-    q = np.concatenate(texts)
-    f = np.concatenate([gate_features(p) for p in texts])
+    q = np.concatenate([p[s:] for p, s in zip(texts, starts)])
+    f = np.concatenate([gate_features(p)[s:] for p, s in zip(texts, starts)])
     count = q.shape[0]
 
     def loss(theta: np.ndarray) -> tuple[float, np.ndarray]:

@@ -51,7 +51,7 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
     out: list[Likelihood | None] = [None] * len(requests)
     for ctx, ks in groups.items():
         conts = [texts[k][1] for k in ks]
-        lps = pool.run(live, lambda i: _member_logprobs(members[i], tables(i), combiner.params.pruning, ctx, conts))
+        lps = pool.run(live, lambda i: member_byte_logprobs(members[i], tables(i), combiner.params.pruning, ctx, conts))
         n_ctx = len(ctx.encode("utf-8"))
         for j, (k, cont) in enumerate(zip(ks, conts)):
             p = np.exp(np.stack([lps[i][j] for i in live], axis=1))
@@ -64,7 +64,7 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
     return out  # type: ignore[return-value]
 
 
-def _member_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str]) -> list[np.ndarray]:
+def member_byte_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str]) -> list[np.ndarray]:
     """The member's byte model's natural-log probability of each byte of ``ctx + cont``, for each ``cont``:
     one model over the context (its own tokens of it read ahead), forked for each continuation."""
     start, data = member.encode_prompt(""), ctx.encode("utf-8")

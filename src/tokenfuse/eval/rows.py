@@ -14,9 +14,11 @@ from tokenfuse.tasks import generate_graded
 
 # ---------------------------------------------------------------------------------------- engine rows
 def generate_records(ens, task, items: Sequence[dict], *, chat: bool | str, max_new_tokens: int) -> list[dict]:
-    """Greedy generation for one batch, graded (``tokenfuse.tasks.generate_graded``); one record per item."""
+    """Greedy generation for one batch, graded (``tokenfuse.tasks.generate_graded``); one record per item.
+    ``max_new_tokens`` is in tokens: a method whose steps are bytes gets ``Combiner.steps_per_token`` steps
+    for each."""
     t0 = time.perf_counter()
-    graded = generate_graded(ens, task, items, chat=chat, max_new_tokens=max_new_tokens)
+    graded = generate_graded(ens, task, items, chat=chat, max_new_tokens=max_new_tokens * ens.combiner.steps_per_token)
     per_item = (time.perf_counter() - t0) / max(len(items), 1)
     return [{"id": r.item["id"], "output": r.text, "extracted": r.score.extracted, "correct": bool(r.score.correct),
              "steps": r.generation.steps, "ensembled": r.generation.ensembled_steps,

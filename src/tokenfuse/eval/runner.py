@@ -85,6 +85,7 @@ def run_eval(cfg, settings: EvalSettings, *, members=None, union=None,
         specs = plan_methods(tcfg, methods, form=form, registered=list(REGISTRY), log=log,
                              primary=primary if settings.primaries[task.name]["from"] == "dev" else None,
                              threshold=settings.threshold)
+        specs = _byte_fits(specs, base, task, form, settings, log)
         all_records[task.name] = run_task(tcfg, base, task, specs, settings, log=log)
         forms[task.name] = form
         log(f"{task.name} ({form}): {len(next(iter(all_records[task.name].values()), []))} items, "
@@ -115,6 +116,25 @@ def run_task(cfg, base, task, specs: Sequence[MethodSpec], settings: EvalSetting
         append_records(path, rows)
         records = {s.name: records[s.name] for s in table} | {"auto": rows}
     return records
+
+
+def _byte_fits(specs: list[MethodSpec], base, task, form: str, settings: EvalSettings,
+               log: Callable[[str], None]) -> list[MethodSpec]:
+    """The byte rows of a likelihood-form task with their numbers fit on its dev items
+    (``eval.bytefit``), unless the config names a fit file."""
+    from dataclasses import replace
+
+    from tokenfuse.eval.bytefit import task_fit
+    from tokenfuse.eval.methods import BYTE_ROWS
+
+    rows = {s.name for s in specs if s.name in BYTE_ROWS and "fit" not in s.overrides.get("params", {})}
+    if not rows or form != "likelihood":
+        return specs
+    path = task_fit(base, task, Path(settings.out), settings.seed, log)
+    if path is None:
+        return specs
+    return [replace(s, overrides=s.overrides | {"params": s.overrides["params"] | {"fit": str(path)}})
+            if s.name in rows else s for s in specs]
 
 
 def _pct(x: float) -> str:
