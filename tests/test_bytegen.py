@@ -440,7 +440,9 @@ def test_server_serves_byte(members, align_cache):
         assert r.status_code == 200, r.text
         r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1,
                                             "tokenfuse": {"method": "byte"}})
-        assert r.status_code == 400 and "method: byte" in r.json()["error"]["message"]
+        assert r.status_code == 200, r.text  # echo: the prompt's bytes, each with its log-probability
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(PROMPT.encode()) + 2 and all(x is not None for x in lp["token_logprobs"])
 
 
 # ---------------------------------------------------------------------------------------- one decision loop
@@ -455,18 +457,25 @@ def test_the_engine_checks_no_unit():
     assert hits == []
 
 
-def test_prompt_scoring_refuses_with_the_declared_error(byte_ens):
-    with pytest.raises(ConfigError) as err:
-        byte_ens.score_prompt("a b")
-    assert str(err.value) == combiner_class("byte").lacks["scoring"] == (
-        "method: byte scores bytes, not pieces: loglikelihood is on bytes; prompt logprobs (echo) are not "
-        "available with it; use method gac for them, or tokenfuse score --bytes")
+def test_prompt_logprobs_are_every_bytes_under_the_mixture(byte_ens):
+    """``score_prompt`` with the byte method: every byte a piece, the first too, its log-probability the
+    likelihood on bytes of the prompt after nothing, and its top entries the mixture's there."""
+    prompt = "ab, ba"
+    pieces = byte_ens.score_prompt(prompt, top=3)
+    (lk,) = byte_ens.loglikelihood([("", prompt)])
+    assert b"".join(p.bytes for p in pieces) == prompt.encode() and all(len(p.bytes) == 1 for p in pieces)
+    np.testing.assert_allclose([p.logprob for p in pieces], lk.piece_logprobs, rtol=0, atol=1e-9)
+    for p in pieces:
+        assert 1 <= len(p.top) <= 3 and sum(t.prob for t in p.top) <= 1 + 1e-9
+        assert [t.prob for t in p.top] == sorted((t.prob for t in p.top), reverse=True)
+        hit = [t.prob for t in p.top if t.bytes == p.bytes.hex()]
+        assert not hit or math.isclose(math.log(hit[0]), p.logprob, abs_tol=1e-6)
 
 
 def test_what_byte_steps_lack_is_declared():
     byte, gac = combiner_class("byte"), combiner_class("gac")
-    assert set(byte.lacks) == set(FEATURES) and not gac.lacks
-    assert not any(byte.can(f) for f in FEATURES) and all(gac.can(f) for f in FEATURES)
+    assert set(byte.lacks) == set(FEATURES) - {"scoring"} and not gac.lacks
+    assert [f for f in FEATURES if byte.can(f)] == ["scoring"] and all(gac.can(f) for f in FEATURES)
     with pytest.raises(ValueError, match="feature"):
         gac.can("gates")
     with pytest.raises(ValidationError, match=r"gate: not available with method byte \(it chooses bytes, not "

@@ -64,6 +64,22 @@ def test_loglikelihood_text_and_token_level(pair):
     assert [lp for lp, _ in token] == pytest.approx([d.logprob for d in direct], abs=1e-5)
 
 
+def test_loglikelihood_on_bytes(pair):
+    """``loglikelihood=bytes`` with ``method=byte``: the byte method's likelihood on bytes, and rolling the
+    whole string's bytes (no context); refused without the byte method."""
+    from tokenfuse.errors import TokenfuseError
+
+    ens = pair.variant(pair.options.replace(method="byte"))
+    lm = TokenfuseLM(ensemble=ens, loglikelihood="bytes")
+    reqs = [Req("Question: 2+2?\nAnswer:", " 4"), Req("The sky is", " blue today")]
+    direct = ens.loglikelihood([r.args for r in reqs])
+    assert [lp for lp, _ in lm.loglikelihood(reqs)] == [d.logprob for d in direct]
+    (roll,) = lm.loglikelihood_rolling([Req("hello world")])
+    assert roll == ens.loglikelihood([("", "hello world")])[0].logprob and math.isfinite(roll)
+    with pytest.raises(TokenfuseError, match="loglikelihood: bytes scores the byte method's mixture; give method=byte"):
+        TokenfuseLM(ensemble=pair, loglikelihood="bytes")
+
+
 def test_rolling_and_empty_context(pair):
     lm = TokenfuseLM(ensemble=pair)
     (roll,) = lm.loglikelihood_rolling([Req("hello world")])

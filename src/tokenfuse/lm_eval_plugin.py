@@ -14,7 +14,7 @@ own command line::
 
 Model arguments (``--model_args key=value,...``): ``config`` (an ensemble YAML) or ``models``
 (members separated by ``+``), ``method``, ``gate``, ``threshold``, ``primary``; ``loglikelihood``
-(``text``, default, or ``token``), ``combine`` (``mean``, default, or ``mixture``), ``chat``
+(``text``, default, ``token``, or ``bytes`` with ``method=byte``), ``combine`` (``mean``, default, or ``mixture``), ``chat``
 (``true``: each context is sent as one user message, rendered by each member's own template),
 ``batch_size`` (default 8).
 
@@ -34,8 +34,11 @@ Requests:
   normalised weights. With ``loglikelihood=token`` the continuation is scored under the
   token-level ensemble instead (``Ensemble.loglikelihood``: teacher-forced through the same
   engine and combiner). ``is_greedy`` is not computed and is always ``False`` (tasks whose metric
-  needs it, e.g. LAMBADA ``acc``, are not supported).
-* ``loglikelihood_rolling`` — the text-level combination of each member's log-likelihood of the
+  needs it, e.g. LAMBADA ``acc``, are not supported). With ``loglikelihood=bytes`` (and
+  ``method=byte``): on bytes, the mixture of the members' byte models of context + continuation
+  (``Ensemble.loglikelihood`` of the byte method, ``engine/bytescore.py``; its ``params.mix`` and fit).
+* ``loglikelihood_rolling`` — with ``loglikelihood=bytes``, the byte mixture's log-probability of the
+  whole string's bytes (no context: each member's byte model from its start ids). Otherwise the text-level combination of each member's log-likelihood of the
   whole string, conditioned on the member's BOS token (else its EOS token), as lm-eval's
   ``prefix_token_id``. The string is not split into windows: it must fit each member's context.
 
@@ -87,12 +90,15 @@ class TokenfuseLM(LM):
                  loglikelihood: str = "text", combine: str = "mean", chat: bool | str = False,
                  batch_size: int | str = 8, max_gen_toks: int | str = 256, ensemble=None, **_ignored) -> None:
         super().__init__()
-        if loglikelihood not in ("text", "token"):
-            raise TokenfuseError(f"loglikelihood: expected text or token, got {loglikelihood!r}")
+        if loglikelihood not in ("text", "token", "bytes"):
+            raise TokenfuseError(f"loglikelihood: expected text, token or bytes, got {loglikelihood!r}")
         if combine not in ("mean", "mixture"):
             raise TokenfuseError(f"combine: expected mean or mixture, got {combine!r}")
         if ensemble is None:
             ensemble = self._load(config, models, method=method, gate=gate, threshold=threshold, primary=primary)
+        if loglikelihood == "bytes" and ensemble.options.method != "byte":
+            raise TokenfuseError(f"loglikelihood: bytes scores the byte method's mixture; give method=byte (the "
+                                 f"ensemble's method is {ensemble.options.method})")
         self.ensemble = ensemble
         self.singles = [Ensemble.single(m, window=ensemble.options.window) for m in ensemble.members]
         self.mode, self.combine, self.chat = loglikelihood, combine, _bool(chat)
@@ -146,7 +152,9 @@ class TokenfuseLM(LM):
     # ------------------------------------------------------------------ LM interface
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [tuple(r.args) for r in requests]
-        if self.mode == "text":
+        if self.mode == "bytes":
+            scores = [lk.logprob for lk in self._batched(self.ensemble.loglikelihood, pairs)]
+        elif self.mode == "text":
             scores = self._text_level(pairs)
         else:
             scores = [0.0] * len(pairs)
@@ -162,7 +170,9 @@ class TokenfuseLM(LM):
         return [(s, False) for s in scores]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        scores = self._text_level([("", r.args[0]) for r in requests])
+        pairs = [("", r.args[0]) for r in requests]
+        scores = ([lk.logprob for lk in self._batched(self.ensemble.loglikelihood, pairs)] if self.mode == "bytes"
+                  else self._text_level(pairs))
         for req, s in zip(requests, scores):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, s)
         return scores

@@ -27,7 +27,8 @@ shipped for the bundled three members (``fits/bundled-bytes.json``, built from t
 then gives probability 0 to the outcomes the step may not choose (``StepView.allowed``: those that
 would not keep the output whole UTF-8 text; and a byte that is no union entry) and renormalises
 (all of them impossible: uniform over the allowed). What cannot apply to byte steps is declared in
-``lacks``: gating, speculative decoding, the agreement skip and scoring pieces.
+``lacks``: gating, speculative decoding and the agreement skip. It scores bytes (``loglikelihood``, prompt
+logprobs): ``engine/bytescore.py``.
 
 Parameters ``keep``, ``width``, ``rule`` and ``smooth``: each member's byte model's pruning
 (``tokenfuse.alignment.bytemodel.Pruning``, the names ``tokenfuse score --bytes`` takes as flags). The
@@ -113,8 +114,6 @@ class ByteMix(Combiner):
         "gate": f"gate: {_NO_PIECES}; drop gate or use method gac",
         "speculative": f"speculative: {_NO_PIECES}; drop speculative or use method gac",
         "agreement_skip": f"agreement_skip: {_NO_PIECES}",
-        "scoring": "method: byte scores bytes, not pieces: loglikelihood is on bytes; prompt logprobs (echo) "
-                   "are not available with it; use method gac for them, or tokenfuse score --bytes",
     }
 
     def bind(self, setup: Setup) -> None:

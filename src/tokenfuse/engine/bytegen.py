@@ -30,7 +30,7 @@ as every method), with these parts of its own:
 The chosen byte is the union entry of that one byte, so the sequence appends, stops (END, stop strings
 trimmed, the length limit) and hands out text as for any method (``sequence.OpenSequence``).
 ``Generation.steps`` counts bytes. What cannot apply to byte steps (gating, speculative decoding, the
-agreement skip, scoring pieces) the combiner declares (``Combiner.lacks``).
+agreement skip) the combiner declares (``Combiner.lacks``); its scoring is on bytes (``engine/bytescore.py``).
 """
 
 from __future__ import annotations
@@ -213,9 +213,9 @@ class ByteDecider(Decider):
         members: tuple[MemberStep, ...] = ()
         if s.trace.options.members:
             members = tuple(
-                MemberStep(m.name, True, True, float(np.exp(dists[i][sym])), _top(np.exp(dists[i]), k, end))
+                MemberStep(m.name, True, True, float(np.exp(dists[i][sym])), top_entries(np.exp(dists[i]), k, end))
                 if i in dists else MemberStep(m.name, False, False) for i, m in enumerate(self.members))
-        rec = StepRecord(token=_symbol_text(sym, end), end=sym == END_SYMBOL, prob=float(q[sym]), top=_top(q, k, end),
+        rec = StepRecord(token=_symbol_text(sym, end), end=sym == END_SYMBOL, prob=float(q[sym]), top=top_entries(q, k, end),
                          gated=False, ensembled=len(dists) > 1, skipped=False, members=members)
         return replace(d, trace=rec)
 
@@ -245,7 +245,7 @@ def _symbol_text(sym: int, end: str) -> str:
     return end if sym == END_SYMBOL else bytes([sym]).decode("utf-8", errors="replace")
 
 
-def _top(p: np.ndarray, k: int, end: str) -> tuple[TopEntry, ...]:
+def top_entries(p: np.ndarray, k: int, end: str) -> tuple[TopEntry, ...]:
     """The ``k`` most likely of the 257 outcomes (mass 0 left out; ties to the smaller byte)."""
     order = np.argsort(-p, kind="stable")[:k].tolist()
     return tuple(TopEntry(_symbol_text(c, end), bytes([c]).hex() if c != END_SYMBOL else "", float(p[c]),

@@ -64,6 +64,42 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
     return out  # type: ignore[return-value]
 
 
+def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int], TokenBytes], pool: MemberPool,
+                      prompt: str, *, top: int = 0) -> list[tuple[int, float, np.ndarray | None]]:
+    """Each byte of ``prompt`` with its log-probability under the mixture given the bytes before it (the
+    first given nothing: each member's byte model from its start ids), and with ``top`` the mixture's
+    257-way distribution there (each member's whole next distribution read for it)."""
+    if combiner.params.mix == "product":
+        raise ConfigError("params.mix: product scores no bytes (its normaliser needs every member's whole next "
+                          "distribution); score with mix mixture, switch or gate")
+    live = [i for i, m in enumerate(members) if m.weight > 0]
+    weights = np.array([members[i].weight for i in live], dtype=np.float64)
+    data = prompt.encode("utf-8")
+
+    def run(i: int) -> tuple[list[float], list[np.ndarray]]:
+        m, start = members[i], members[i].encode_prompt("")
+        with m.reader(start) as take:
+            model = ByteModel(tables(i), start, take, combiner.params.pruning)
+            dists = []
+            lps = []
+            for b in data:
+                if top:
+                    dists.append(model.next_distribution())
+                lps.append(model.advance(b))
+            return lps, dists
+
+    got = pool.run(live, run)
+    mixer = combiner.new_mixer(list(weights)) or Mixer("mixture", Fitted(weights=weights / weights.sum()), len(live))
+    out = []
+    for t, b in enumerate(data):
+        p = np.exp(np.array([got[i][0][t] for i in live]))
+        dist = mixer.combine([got[i][1][t] for i in live]) if top else None
+        q = float(mixer.weights() @ p)
+        out.append((b, float(np.log(q)) if q > 0 else -np.inf, dist))
+        mixer.update(p)
+    return out
+
+
 def member_byte_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str]) -> list[np.ndarray]:
     """The member's byte model's natural-log probability of each byte of ``ctx + cont``, for each ``cont``:
     one model over the context (its own tokens of it read ahead), forked for each continuation."""

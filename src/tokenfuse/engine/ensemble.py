@@ -33,8 +33,8 @@ from pydantic import ValidationError
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END, UnionVocab
 from tokenfuse.combiners import Setup, get_combiner
-from tokenfuse.engine.bytegen import ByteDecider
-from tokenfuse.engine.bytescore import byte_loglikelihood
+from tokenfuse.engine.bytegen import ByteDecider, top_entries
+from tokenfuse.engine.bytescore import byte_loglikelihood, byte_score_prompt
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import Likelihood, RowMemo, score
 from tokenfuse.engine.pool import MemberPool
@@ -267,7 +267,13 @@ class Ensemble:
         context, the rest its continuation) and, with ``top``, the combined distribution's ``top``
         most likely entries there. The first piece has none (``None``); so do the next ones in the
         rare case that the rest of the prompt, tokenised alone, would be cut otherwise than within
-        the whole prompt (the context then grows until it is not)."""
+        the whole prompt (the context then grows until it is not). The ``byte`` method scores every
+        byte, the first too (``engine.bytescore.byte_score_prompt``)."""
+        if self.combiner.needs == "bytes":
+            end = end_text(self.members[self.primary])
+            return [PromptPiece(bytes([b]), lp, top_entries(dist, top, end) if dist is not None else ())
+                    for b, lp, dist in byte_score_prompt(self.members, self.combiner, self.decider.table, self.pool,
+                                                         prompt, top=top)]
         self._scores_pieces()
         codec = self.space.codecs[self.primary]
         ids = codec.encode_text(prompt)
