@@ -39,12 +39,8 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
                        requests: Sequence[tuple[Prompt, str]], *, chat: bool = False) -> list[Likelihood]:
     """Each ``(context, continuation)``'s log-likelihood on bytes (the module docstring); ``combiner``: the
     ``byte`` method's (``params``, ``new_mixer``), ``tables(i)``: member ``i``'s tokens by bytes."""
-    if combiner.params.mix == "product":
-        raise ConfigError("params.mix: product scores no bytes (its normaliser needs every member's whole next "
-                          "distribution); score with mix mixture, switch or gate")
+    live = _live(members, combiner)
     texts = [(_context(ctx, chat), cont) for ctx, cont in requests]
-    live = [i for i, m in enumerate(members) if m.weight > 0]
-    weights = np.array([members[i].weight for i in live], dtype=np.float64)
     groups: dict[str, list[int]] = {}
     for k, (ctx, _) in enumerate(texts):
         groups.setdefault(ctx, []).append(k)
@@ -55,8 +51,7 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
         n_ctx = len(ctx.encode("utf-8"))
         for j, (k, cont) in enumerate(zip(ks, conts)):
             p = np.exp(np.stack([lps[i][j] for i in live], axis=1))
-            mixer = combiner.new_mixer(list(weights)) or Mixer("mixture", Fitted(weights=weights / weights.sum()), len(live))
-            mixed = mixer.logprobs(p)[n_ctx:]
+            mixed = _mixer(members, combiner, live).logprobs(p)[n_ctx:]
             data = cont.encode("utf-8")
             out[k] = Likelihood(float(mixed.sum()), len(data), len(data), ensembled=len(data) if len(live) > 1 else 0,
                                 piece_logprobs=tuple(float(x) for x in mixed),
@@ -69,11 +64,7 @@ def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int
     """Each byte of ``prompt`` with its log-probability under the mixture given the bytes before it (the
     first given nothing: each member's byte model from its start ids), and with ``top`` the mixture's
     257-way distribution there (each member's whole next distribution read for it)."""
-    if combiner.params.mix == "product":
-        raise ConfigError("params.mix: product scores no bytes (its normaliser needs every member's whole next "
-                          "distribution); score with mix mixture, switch or gate")
-    live = [i for i, m in enumerate(members) if m.weight > 0]
-    weights = np.array([members[i].weight for i in live], dtype=np.float64)
+    live = _live(members, combiner)
     data = prompt.encode("utf-8")
 
     def run(i: int) -> tuple[list[float], list[np.ndarray]]:
@@ -89,7 +80,7 @@ def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int
             return lps, dists
 
     got = pool.run(live, run)
-    mixer = combiner.new_mixer(list(weights)) or Mixer("mixture", Fitted(weights=weights / weights.sum()), len(live))
+    mixer = _mixer(members, combiner, live)
     out = []
     for t, b in enumerate(data):
         p = np.exp(np.array([got[i][0][t] for i in live]))
@@ -98,6 +89,21 @@ def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int
         out.append((b, float(np.log(q)) if q > 0 else -np.inf, dist))
         mixer.update(p)
     return out
+
+
+def _live(members: Sequence[Member], combiner) -> list[int]:
+    """The members that score (a positive weight); ``product`` refused (it cannot score this way)."""
+    if combiner.params.mix == "product":
+        raise ConfigError("params.mix: product scores no bytes (its normaliser needs every member's whole next "
+                          "distribution); score with mix mixture, switch or gate")
+    return [i for i, m in enumerate(members) if m.weight > 0]
+
+
+def _mixer(members: Sequence[Member], combiner, live: list[int]) -> Mixer:
+    """A text's mixer of the members ``live``: the combiner's (``switch``, ``gate``, a fit's mixture), else
+    the mixture at their normalised weights."""
+    w = np.array([members[i].weight for i in live], dtype=np.float64)
+    return combiner.new_mixer(list(w)) or Mixer("mixture", Fitted(weights=w / w.sum()), len(live))
 
 
 def member_byte_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str]) -> list[np.ndarray]:
