@@ -22,9 +22,10 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -114,26 +115,41 @@ def _choose_primary(members: Sequence[Rows], dev: Sequence[Document], out: Path,
     return best, bpb
 
 
-def _features(members: Sequence[Rows], docs: Sequence[Document], primary: int, split: str, out: Path,
-              progress: bool) -> list[DocFeatures]:
-    folder = out / "features" / f"{split}-{members[primary].name}"
+def cached(folder: Path, docs: Sequence[Document], make: Callable[[Document], Any], arrays: Callable[[Any], dict],
+           load: Callable[[Any], Any], progress: bool, label: str, split: str) -> list:
+    """Each document's numbers (``make``), kept in ``folder`` as they are made (``arrays``: an ``.npz``'s
+    arrays of them; ``load``: the numbers from the ``.npz`` file) and read back when a run resumes;
+    ``label`` starts the log line, ``split`` names the progress bar."""
     folder.mkdir(parents=True, exist_ok=True)
-    feats: list[DocFeatures | None] = []
-    for d in docs:
-        p = folder / f"{doc_key(d)}.npz"
-        feats.append(DocFeatures.from_npz(np.load(p)) if p.is_file() else None)
-    todo = [k for k, f in enumerate(feats) if f is None]
-    stderr_log(f"text {split}: {len(members)} members' numbers on {len(docs)} documents "
-         f"({sum(d.nbytes for d in docs):,} bytes; {len(docs) - len(todo)} already done), primary {members[primary].name}")
-    vocabs: dict = {}
+    got = [load(np.load(p)) if (p := folder / f"{doc_key(d)}.npz").is_file() else None for d in docs]
+    todo = [k for k, g in enumerate(got) if g is None]
+    stderr_log(f"{label} on {len(docs)} documents ({sum(d.nbytes for d in docs):,} bytes; "
+               f"{len(docs) - len(todo)} already done)")
     with progress_bar(total=len(docs), initial=len(docs) - len(todo), desc=f"{split} documents", unit="doc",
                       enabled=progress) as bar:
         for k in todo:
-            f = doc_features(docs[k].text, members, primary, vocabs=vocabs)
-            save_npz(folder / f"{doc_key(docs[k])}.npz", **f.to_npz())
-            feats[k] = f
+            got[k] = make(docs[k])
+            save_npz(folder / f"{doc_key(docs[k])}.npz", **arrays(got[k]))
             bar.update(1)
-    return feats  # type: ignore[return-value]
+    return got
+
+
+def _features(members: Sequence[Rows], docs: Sequence[Document], primary: int, split: str, out: Path,
+              progress: bool) -> list[DocFeatures]:
+    vocabs: dict = {}
+    return cached(out / "features" / f"{split}-{members[primary].name}", docs,
+                  lambda d: doc_features(d.text, members, primary, vocabs=vocabs), DocFeatures.to_npz, DocFeatures.from_npz,
+                  progress, f"text {split}: {len(members)} members' numbers, primary {members[primary].name},", split)
+
+
+def publish(out: Path, task: str, records: Sequence[dict], results: dict, render: Callable[[dict], str]) -> dict:
+    """A run's items (``items-<task>.jsonl``), ``results.json`` and ``results.md`` (``render``); returns the results."""
+    with (out / f"items-{task}.jsonl").open("w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(render(results))
+    return results
 
 
 def _add_seconds(out: Path, now: dict[str, float]) -> dict[str, float]:
@@ -250,18 +266,12 @@ def run_text(members: Sequence[Rows], settings: TextSettings) -> dict:
                 for row in rows}
         records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "pieces": len(f.p_true),
                         "bits": {k: round(v, 4) for k, v in bits.items()}})
-    with (out / "items-text.jsonl").open("w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r) + "\n")
     results = {"task": "text", "members": names, "primary": names[primary], "dev_bpb": dev_bpb,
                "fitted": {row: p.as_dict() for row, p in fitted.items()},
                "dev_documents": len(dev), "test_documents": len(test),
                "seconds": _add_seconds(out, {"choose_primary": t_choose, "dev_features": t_dev,
                                              "test_features": t_test})}
-    results |= aggregate(records, rows, names)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results))
-    return results
+    return publish(out, "text", records, results | aggregate(records, rows, names), markdown)
 
 
 def score_texts(members: Sequence[Rows], texts: Sequence[str], primary: int, fitted: dict, *,

@@ -31,9 +31,8 @@ from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import Rows, primary_tokens
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.batches import stderr_log
-from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, compare, doc_key, markdown,
-                                 per_domain, score_entry, single_logprobs)
-from tokenfuse.paths import save_npz
+from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, cached, compare, doc_key,
+                                 markdown, per_domain, publish, score_entry, single_logprobs)
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
 
@@ -69,21 +68,9 @@ def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str, 
 
 def _features(members: Sequence[Rows], docs: Sequence[Document], split: str, out: Path, pruning: Pruning,
               progress: bool) -> list[dict[str, np.ndarray]]:
-    folder = out / "bytes" / split
-    folder.mkdir(parents=True, exist_ok=True)
     tokens = [TokenBytes(m.codec.token_bytes) for m in members]
-    got: list[dict | None] = [dict(np.load(p)) if (p := folder / f"{doc_key(d)}.npz").is_file() else None
-                              for d in docs]
-    todo = [k for k, g in enumerate(got) if g is None]
-    stderr_log(f"text-bytes {split}: {len(members)} members' byte views of {len(docs)} documents "
-               f"({sum(d.nbytes for d in docs):,} bytes; {len(docs) - len(todo)} already done)")
-    with progress_bar(total=len(docs), initial=len(docs) - len(todo), desc=f"{split} documents", unit="doc",
-                      enabled=progress) as bar:
-        for k in todo:
-            got[k] = doc_bytes(members, tokens, docs[k].text, pruning)
-            save_npz(folder / f"{doc_key(docs[k])}.npz", **got[k])
-            bar.update(1)
-    return got  # type: ignore[return-value]
+    return cached(out / "bytes" / split, docs, lambda d: doc_bytes(members, tokens, d.text, pruning), dict, dict, progress,
+                  f"text-bytes {split}: {len(members)} members' byte views", split)
 
 
 LEGACY = Pruning(keep=1e-2, width=1, rule="top", smooth=1e-6)  # a run's pruning from before it was recorded
@@ -192,9 +179,6 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
         lp = doc_logprobs(f, names, fitted, doc_w)
         records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "rows_read": f["rows"].tolist(),
                         "bits": {k: round(-float(v) / LN2, 4) for k, v in lp.items()}})
-    with (out / "items-text-bytes.jsonl").open("w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r) + "\n")
     results = {"task": "text-bytes", "members": names, "primary": "none (byte rows)",
                **pruning_dict(pruning), "fitted": {row: p.as_dict() for row, p in fitted.items()}
                | {"doc-mix": {"weights": doc_w.tolist()}},
@@ -202,9 +186,7 @@ def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
                "seconds": _add_seconds(out, {"dev_bytes": t_dev, "test_bytes": t_test})}
     results |= aggregate(records, rows, names, versus_doc_mix=text_rows.BYTE_ROWS)
     results["vs_best_view"] = versus_views(records, names)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(render(results))
-    return results
+    return publish(out, "text-bytes", records, results, render)
 
 
 def render(results: dict) -> str:
