@@ -223,15 +223,15 @@ class ByteDecider(Decider):
 def _mixer_factors(view: StepView, seqs: list[ByteSequence]) -> None:
     """A mixer's weights on each row as log factors over the members' own weights (added to those of
     the strategies), so the combiner mixes at the mixer's weights; rows without a mixer: factor 1."""
-    if not any(q.mixer is not None for q in seqs):
+    rows = [(r, dict(zip(q.mixed, q.mixer.weights()))) for r, q in enumerate(seqs) if q.mixer is not None]
+    if not rows:
         return
     for i, w in zip(view.computed, view.weights):
         if w <= 0:
             continue
         f = torch.zeros(view.rows, dtype=torch.float64)
-        for r, q in enumerate(seqs):
-            if q.mixer is not None:
-                f[r] = math.log(max(float(q.mixer.weights()[q.mixed.index(i)]), 1e-300)) - math.log(w)
+        for r, weights in rows:  # each row's mixer weights computed once per step
+            f[r] = math.log(max(float(weights[i]), 1e-300)) - math.log(w)
         view.log_factors[i] = view.log_factors.get(i, 0) + f
 
 
