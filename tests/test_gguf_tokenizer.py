@@ -66,6 +66,38 @@ def test_reader_decodes_every_value_type(tmp_path):
     assert "other.skipped" not in md
 
 
+def test_reader_finds_the_tensors_gguf_writes(tmp_path):
+    """The tensor table against gguf.GGUFReader (names, dimensions, types, data offsets under a custom
+    alignment), and a 2-D tensor's rows mapped by gguf_tensor."""
+    import gguf
+    import numpy as np
+
+    from tokenfuse.members.gguf_file import gguf_tensor, read_gguf
+
+    path = tmp_path / "tensors.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(5)])
+    emb = np.arange(40, dtype=np.float32).reshape(5, 8)
+    w.add_tensor("norm.weight", np.ones(3, dtype=np.float32))
+    w.add_tensor("token_embd.weight", emb)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    header, reader = read_gguf(path), gguf.GGUFReader(path)
+    assert header.metadata == {} and header.version == 3
+    assert {t.name: (t.dims, t.qtype, t.start) for t in header.tensors.values()} == {
+        t.name: (tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors}
+    rows, qtype, shape = gguf_tensor(path)
+    assert (shape, qtype) == ((5, 8), gguf.GGMLQuantizationType.F32)
+    assert np.array_equal(rows.view(np.float32), emb)
+    with pytest.raises(ValueError, match="no tensor 'output.weight'"):
+        gguf_tensor(path, "output.weight")
+    with pytest.raises(ValueError, match="1 dimensions"):
+        gguf_tensor(path, "norm.weight")
+
+
 def test_reader_refuses_a_file_that_is_not_gguf(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"NOPE" + bytes(40))
@@ -343,31 +375,3 @@ def test_a_conversion_waits_for_another_holder_of_the_lock_then_uses_its_files(t
         other.release()
     waiter.join(30)
     assert got == [out] and json.loads((out / MARK_TOKENIZER).read_text())["builder"] == "gguf"
-
-
-def test_gguf_parsed_once_shares_one_parse_within_the_block_only():
-    """A model conversion's second reader of the same GGUF (transformers builds one for the config, one
-    for the tensors) takes the first one's parse; outside the block every reader parses again."""
-    import gguf
-
-    from tokenfuse.bundled import gguf_parsed_once
-
-    path = BUNDLED["smollm2-135m-instruct"].gguf_path(cache_dir())
-    parses = []
-    real = gguf.GGUFReader.__init__
-
-    def counted(self, *args, **kwargs):
-        parses.append(1)
-        real(self, *args, **kwargs)
-
-    gguf.GGUFReader.__init__ = counted
-    try:
-        with gguf_parsed_once():
-            a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
-        assert len(parses) == 1
-        assert list(a.fields) == list(b.fields) and [t.name for t in a.tensors] == [t.name for t in b.tensors]
-        assert bytes(b.tensors[0].data[:64]) == bytes(a.tensors[0].data[:64])
-        gguf.GGUFReader(path)
-        assert len(parses) == 2
-    finally:
-        gguf.GGUFReader.__init__ = real

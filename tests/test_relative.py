@@ -17,7 +17,7 @@ import torch
 
 from tokenfuse.combiners.deepen.relative import DeePEn, adapt_weights, anchors, inverse_transform
 from tokenfuse.combiners.deepen.rows import EmbeddingRows, RelativeRows
-from tokenfuse.members.embeddings import gguf_tensor
+from tokenfuse.members.gguf_file import gguf_tensor
 from tokenfuse.alignment.union import UnionVocab, build_union
 
 pytestmark = pytest.mark.usefixtures("one_thread")

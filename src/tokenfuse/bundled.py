@@ -4,7 +4,7 @@ Each bundled model has a cache directory ``<cache>/models/<name>`` holding its t
 (tokenizer.json, tokenizer_config.json, chat_template.jinja) and, for the transformers backend, its
 model dequantised to safetensors. The tokenizer is normally built straight from the GGUF's metadata
 in about a second (``tokenfuse.members.gguf_tokenizer.ensure_tokenizer``); ``ensure_converted``
-converts the model (a minute, dequantised by transformers, its GGUF parsed once: ``gguf_parsed_once``) and, when no tokenizer is cached yet,
+converts the model (a minute, dequantised by transformers) and, when no tokenizer is cached yet,
 the tokenizer too through transformers (``convert_tokenizer_with_transformers``, the reference the
 fast build is tested against). Marks in the directory record what was built, with a version, so a
 cache written by an older build is rebuilt. Nothing is downloaded at run time.
@@ -233,40 +233,11 @@ def _convert(gguf: Path, out: Path, name: str, *, model: bool, progress: bool) -
 
 
 @contextmanager
-def gguf_parsed_once() -> Iterator[None]:
-    """Within the block, each GGUF file is parsed once by gguf-py's ``GGUFReader``.
-
-    The reader parses every metadata field in Python at construction (Qwen's 151,936-token vocabulary
-    and merges: about 20 s on 2 cores), and ``from_pretrained(gguf_file=...)`` builds one reader for
-    the config and another for the tensors. A second reader of the same file takes the first one's
-    parsed state (its fields and tensors over the same read-only memory map), so the weights are those
-    of two parses. The patch is the process's: builds take it through ``transformers_build``.
-    """
-    from gguf import GGUFReader
-
-    parsed: dict[tuple[str, str], GGUFReader] = {}
-    init = GGUFReader.__init__
-
-    def once(self, path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key in parsed:
-            self.__dict__.update(parsed[key].__dict__)
-            return
-        init(self, path, mode)
-        parsed[key] = self
-
-    GGUFReader.__init__ = once
-    try:
-        yield
-    finally:
-        GGUFReader.__init__ = init
-
-
-@contextmanager
 def transformers_build() -> Iterator[None]:
-    """What every transformers model build (``from_pretrained``) runs inside: ``TRANSFORMERS_BUILD_LOCK``
-    (one build at a time) and, under it, ``gguf_parsed_once``."""
-    with TRANSFORMERS_BUILD_LOCK, gguf_parsed_once():
+    """What every transformers model build (``from_pretrained``) runs inside: ``TRANSFORMERS_BUILD_LOCK``,
+    one build at a time. (A build from a GGUF has transformers parse the file with gguf-py's
+    ``GGUFReader`` twice, for the config and for the tensors: 4-17 s each on the bundled models.)"""
+    with TRANSFORMERS_BUILD_LOCK:
         yield
 
 

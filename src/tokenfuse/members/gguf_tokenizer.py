@@ -3,11 +3,11 @@
 A GGUF holds its tokenizer as metadata under llama.cpp's key names: the vocabulary
 (``tokenizer.ggml.tokens``), each token's type (normal, control, user-defined, byte, ...), the BPE
 merges or the SentencePiece scores, the pre-tokenizer name, the special-token ids and flags, and
-``tokenizer.chat_template``. This module reads those keys with a small header walk (tensor data and
-other metadata values are skipped, never parsed) and builds with the ``tokenizers`` library the
-same files that ``AutoTokenizer.from_pretrained(gguf_file=...)`` + ``save_pretrained`` write
-(``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``), without importing
-transformers. ``tests/test_gguf_tokenizer.py`` checks them against that conversion, which stays
+``tokenizer.chat_template``. This module reads those keys through ``tokenfuse.members.gguf_file``
+(tensor data and other metadata values are skipped, never decoded) and builds with the
+``tokenizers`` library the same files that ``AutoTokenizer.from_pretrained(gguf_file=...)`` +
+``save_pretrained`` write (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``),
+without importing transformers. ``tests/test_gguf_tokenizer.py`` checks them against that conversion, which stays
 available as ``tokenfuse.bundled.convert_tokenizer_with_transformers``.
 
 Families, by ``tokenizer.ggml.model``:
@@ -31,18 +31,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
-
 from tokenfuse.bundled import BUNDLED, mark_tokenizer
 from tokenfuse.errors import ModelLoadError
 from tokenfuse.members.codec import byte_decoder
+from tokenfuse.members.gguf_file import read_gguf_metadata
 from tokenfuse.paths import cache_dir
 from tokenfuse.progress import progress_bar
 
@@ -77,66 +75,6 @@ class UnsupportedGGUFTokenizer(ModelLoadError):
 
 
 # ---------------------------------------------------------------------------------------- reading
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict:
-    """The metadata values whose keys start with ``prefixes`` (strings, numbers, lists, numpy arrays).
-
-    Only those values are decoded; every other value (and all tensor data) is skipped.
-    """
-    path = Path(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(mm)
-    if bytes(buf[:4]) != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic at the start)")
-    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version not in (2, 3):
-        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-    unpack = struct.unpack_from
-
-    def value(vtype: int, at: int, keep: bool):
-        if vtype in _SCALAR:
-            return (unpack(_SCALAR[vtype], buf, at)[0] if keep else None), at + struct.calcsize(_SCALAR[vtype])
-        if vtype == _STRING:
-            (n,) = unpack("<Q", buf, at)
-            return (bytes(buf[at + 8 : at + 8 + n]).decode("utf-8") if keep else None), at + 8 + n
-        if vtype != _ARRAY:
-            raise ModelLoadError(f"{path}: unknown GGUF metadata value type {vtype}")
-        etype, count = unpack("<IQ", buf, at)
-        at += 12
-        if etype in _SCALAR:
-            end = at + count * struct.calcsize(_SCALAR[etype])
-            return (np.frombuffer(mm, dtype=_NUMPY[etype], count=count, offset=at).copy() if keep else None), end
-        if etype == _STRING:
-            items: list[str] = []
-            for _ in range(count):
-                (n,) = unpack("<Q", buf, at)
-                if keep:
-                    items.append(bytes(buf[at + 8 : at + 8 + n]).decode("utf-8"))
-                at += 8 + n
-            return (items if keep else None), at
-        items = []
-        for _ in range(count):
-            item, at = value(etype, at, keep)
-            items.append(item)
-        return (items if keep else None), at
-
-    out: dict = {}
-    pos = 24
-    for _ in range(n_kv):
-        (n,) = unpack("<Q", buf, pos)
-        key = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8")
-        (vtype,) = unpack("<I", buf, pos + 8 + n)
-        keep = key.startswith(prefixes)
-        val, pos = value(vtype, pos + 12 + n, keep)
-        if keep:
-            out[key] = val
-    return out
-
-
 @dataclass(frozen=True)
 class GGUFVocabulary:
     """The tokenizer a GGUF file describes, as its metadata spells it."""

@@ -183,7 +183,7 @@ def load_transformers_member(
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        with transformers_build():  # one model built at a time, a GGUF parsed once (why: tokenfuse.bundled)
+        with transformers_build():  # one model built at a time (why: tokenfuse.bundled)
             model = AutoModelForCausalLM.from_pretrained(where, dtype=_DTYPES[dtype], **kwargs)
             model.to(device)
     except OSError as err:
