@@ -16,7 +16,7 @@ from tokenfuse.combiners.base import weighted_average
 from tokenfuse.engine import Ensemble, EnsembleOptions, Sampling
 from tokenfuse.engine.strategies.prompt import PROMPT_CHUNK, prompt_logprob_per_byte
 from tokenfuse.engine.strategies.confidence import Confidence
-from tokenfuse.engine.strategies.select import Select
+from tokenfuse.engine.strategies.gate import Gate
 from tokenfuse.engine.pool import MemberOutput
 from tokenfuse.errors import ConfigError
 
@@ -29,14 +29,15 @@ def trio(members):
     return members
 
 
-def run(members, **params):
-    return Ensemble(members, params=params, primary="B").generate(PROMPT, max_new_tokens=10)
+def run(members, **options):
+    return Ensemble(members, primary="B", **options).generate(PROMPT, max_new_tokens=10)
 
 
 # ---------------------------------------------------------------------------------------- parameters
 def test_parameters_are_declared_and_checked():
-    assert EnsembleOptions(params=dict(select=0.5, confidence="entropy", sharpness=2, prompt_weights=0.1)).params["select"] == 0.5
-    assert EnsembleOptions(method="unite", params=dict(k=3, select=1)).params["select"] == 1.0
+    o = EnsembleOptions(threshold=0.5, params=dict(boundary=True, confidence="entropy", sharpness=2, prompt_weights=0.1))
+    assert (o.threshold, o.params["boundary"]) == (0.5, True)
+    assert EnsembleOptions(method="unite", threshold=1, params=dict(k=3, boundary=True)).threshold == 1.0
     for params, msg in (({"select": 1.5}, "params.select: gac: Input should be less than or equal to 1"),
                         ({"confidence": "max"}, "params.confidence: gac: Input should be 'none', 'top' or 'entropy'"),
                         ({"sharpness": -1}, "params.sharpness: gac: Input should be greater than or equal to 0"),
@@ -56,7 +57,7 @@ def test_select_and_a_gate_exclude_each_other(trio):
 # ---------------------------------------------------------------------------------------- selective
 def test_select_0_is_the_primary_alone(trio):
     alone = Ensemble.single(trio[1]).generate(PROMPT, max_new_tokens=10)
-    g = run(trio, select=0.0)
+    g = run(trio, threshold=0.0, params={"boundary": True})
     assert (g.text, g.output, g.ensembled_steps) == (alone.text, alone.output, 0)
     assert g.member_ids["B"] == alone.member_ids["B"]
     # Sampling: the primary's distribution over the ensemble's union, as the primary gating at 0 draws
@@ -64,7 +65,7 @@ def test_select_0_is_the_primary_alone(trio):
     sampling = Sampling(temperature=0.9, seed=7)
     gated = Ensemble(trio, gate="B", threshold=0.0, primary="B").generate(PROMPT, max_new_tokens=10,
                                                                            sampling=sampling)
-    g = Ensemble(trio, params={"select": 0.0}, primary="B").generate(PROMPT, max_new_tokens=10,
+    g = Ensemble(trio, threshold=0.0, primary="B").generate(PROMPT, max_new_tokens=10,
                                                                             sampling=sampling)
     assert (g.text, g.ensembled_steps) == (gated.text, 0)
 
@@ -72,7 +73,7 @@ def test_select_0_is_the_primary_alone(trio):
 @pytest.mark.parametrize("method", ["gac", "unite"])
 def test_select_1_without_the_boundary_rule_is_plain_combination(trio, method):
     plain = Ensemble(trio, method=method, primary="B").generate(PROMPT, max_new_tokens=10)
-    g = Ensemble(trio, method=method, primary="B", params={"select": 1.0, "select_boundary": False}).generate(
+    g = Ensemble(trio, method=method, primary="B", threshold=1.0).generate(
         PROMPT, max_new_tokens=10)
     assert (g.text, g.ensembled_steps, g.skipped_steps, g.vetoed_steps) == (plain.text, plain.ensembled_steps,
                                                                           plain.skipped_steps, 0)
@@ -90,7 +91,7 @@ def _outs(ens, tops: list[list[int]]) -> dict[int, MemberOutput]:
 
 
 def test_the_boundary_rule_keeps_a_word_a_member_holds_as_one_token(trio):
-    ens = Ensemble(trio, params={"select": 0.5}, primary="B")
+    ens = Ensemble(trio, threshold=0.5, params={"boundary": True}, primary="B")
     space = ens.space
 
     def tid(i, text):  # member i's single token for ``text``
@@ -107,9 +108,9 @@ def test_the_boundary_rule_keeps_a_word_a_member_holds_as_one_token(trio):
             [tid(1, " cat"), tid(1, " cat"), tid(1, " the")],
             [tid(2, " the"), tid(2, " the"), tid(2, " the")]]
     chosen = {0: entry(" the"), 1: entry(" then"), 2: entry(" the")}
-    (select,) = [st_ for st_ in ens.decider.strategies if isinstance(st_, Select)]
+    (gate,) = [st_ for st_ in ens.decider.strategies if isinstance(st_, Gate)]
     got = dict(chosen)
-    vetoed = select.revise(seqs, [0, 1, 2], _outs(ens, tops), got)
+    vetoed = gate.revise(seqs, [0, 1, 2], _outs(ens, tops), got)
     assert got == {0: entry(" cat"), 1: entry(" then"), 2: entry(" the")}  # row 0: the primary's piece
     assert [int(r in vetoed) for r in range(3)] == [1, 0, 0]
     for s in seqs:
@@ -117,13 +118,14 @@ def test_the_boundary_rule_keeps_a_word_a_member_holds_as_one_token(trio):
 
 
 def test_select_gates_on_the_primary_confidence(trio):
-    """The first step is the primary's alone exactly when its top probability is above ``select``."""
+    """The first step is the primary's alone exactly when its top probability is above ``threshold``
+    (no ``gate``: the primary gates)."""
     ens = Ensemble(trio, primary="B")
     s = ens.open(PROMPT)
     top = float(ens.decider.forward([1], [s])[1].top_logprob().exp()[0])
     ens.close(s)
     for t, gated in ((top * 0.99, True), (min(1.0, top * 1.01), False)):
-        g = Ensemble(trio, primary="B", params={"select": t}).generate(PROMPT, max_new_tokens=3, trace=True)
+        g = Ensemble(trio, primary="B", threshold=t).generate(PROMPT, max_new_tokens=3, trace=True)
         assert (g.trace[0].gated, g.trace[0].ensembled) == (gated, not gated)
 
 
@@ -183,7 +185,7 @@ def test_confidence_top_k_entropy_is_over_the_renormalised_top_k():
 @pytest.mark.parametrize("kind", ["top", "entropy"])
 def test_confidence_keeps_agreement_skip_exact(trio, kind):
     """Per-row weights are positive, so where every member ranks a piece first the average does too."""
-    with_skip = run(trio, confidence=kind)
+    with_skip = run(trio, params={"confidence": kind})
     ens = Ensemble(trio, params={"confidence": kind}, primary="B", agreement_skip=False)
     assert ens.generate(PROMPT, max_new_tokens=10).text == with_skip.text
 
@@ -263,7 +265,7 @@ def test_prompt_weights_at_a_small_temperature_are_the_best_prompt_member(trio):
     ens.close(s)
     assert best == 0
     assert s.result().text == Ensemble.single(trio[0]).generate(PROMPT, max_new_tokens=10).text
-    assert run(trio, prompt_weights=1e-4).text == s.result().text
+    assert run(trio, params={"prompt_weights": 1e-4}).text == s.result().text
 
 
 @pytest.mark.parametrize("stepwise", [False, True])

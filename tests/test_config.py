@@ -99,9 +99,11 @@ def test_unknown_method_lists_the_available_ones():
     assert "method" in msg and "'gca'" in msg and "gac" in msg
 
 
-def test_threshold_needs_a_gate():
-    msg = _error({"members": _members("a", "b"), "threshold": 0.5})
-    assert "gate" in msg and "threshold" in msg
+def test_a_gate_needs_a_threshold_and_a_threshold_alone_gates_on_the_primary():
+    msg = _error({"members": _members("a", "b"), "gate": "b"})
+    assert "threshold: gate 'b' needs a threshold" in msg
+    cfg = parse_config({"members": _members("a", "b"), "threshold": 0.5, "primary": "b"})
+    assert (cfg.gate, cfg.threshold, cfg.primary_name) == (None, 0.5, "b")  # the one way to threshold (selective)
 
 
 def test_gate_must_be_a_member():
@@ -289,7 +291,9 @@ def test_adaptive_params_round_trip():
                         "params": {"k": 4, "select": 0.6, "select_boundary": False, "confidence": "entropy",
                                    "sharpness": 2.0, "prompt_weights": 0.2}})
     assert parse_config(yaml.safe_load(cfg.to_yaml())) == cfg
-    assert cfg.with_overrides(params={"select": None}).params["select"] is None
+    assert (cfg.threshold, cfg.params["boundary"]) == (0.6, False)  # the old spelling, read as the one
+    off = cfg.with_overrides(threshold=None, params={"select": None})
+    assert (off.threshold, off.params.get("select")) == (None, None)
 
 
 

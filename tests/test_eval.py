@@ -146,16 +146,22 @@ def test_adaptive_rows():
     gen = {s.name: s for s in plan_methods(cfg, names, form="generate", registered=["gac"], log=lambda m: None)}
     lik = {s.name: s for s in plan_methods(cfg, names, form="likelihood", registered=["gac"], log=lambda m: None)}
     rows = {n: cfg.with_overrides(**s.overrides) for n, s in gen.items() if s.overrides}
-    assert rows["gac"].params == {"select": 0.7}  # the config's own method keeps its params
-    assert (rows["gac-threshold"].gate, rows["gac-threshold"].params["select"]) == ("a", None)
-    assert rows["gac-select"].params == {"select": 0.7}  # the config's value
-    assert rows["gac-conf"].params == {"select": 0.7, "confidence": "entropy"}  # the default, beside the config's
-    assert rows["gac-prompt"].params == {"select": 0.7, "prompt_weights": 0.1, "prompt_bytes": 512}
+    assert (rows["gac"].params, rows["gac"].threshold) == ({"boundary": False}, None)  # every step; the rest of the
+    # config's params stay with its own method (below), its thresholded mode is gac-threshold's
+    thresholded = ("a", 0.7, {"boundary": True})  # the config's (its old spelling: the primary gating at 0.7)
+    assert (rows["gac-threshold"].gate, rows["gac-threshold"].threshold, rows["gac-threshold"].params) == thresholded
+    assert (rows["gac-select"].gate, rows["gac-select"].threshold, rows["gac-select"].params) == thresholded
+    assert rows["gac-conf"].params == {"boundary": True, "confidence": "entropy"}  # the default, beside the config's
+    assert rows["gac-prompt"].params == {"boundary": True, "prompt_weights": 0.1, "prompt_bytes": 512}
+    assert rows["gac-conf"].threshold == rows["gac-prompt"].threshold == 0.7
     assert rows["gac-prompt"].scoring == "one-forward"
     assert "scoring" not in lik["gac-prompt"].overrides and "scoring" not in lik["gac-conf"].overrides
     other = parse_config({"members": [{"name": "a"}, {"name": "b"}], "method": "unite", "params": {"k": 3}})
     sel = plan_methods(other, ["gac-select"], form="generate", registered=["gac"], log=lambda m: None)[-1]
-    assert other.with_overrides(**sel.overrides).params == {"select": 0.5}  # unite's params stay with unite
+    row = other.with_overrides(**sel.overrides)
+    assert (row.params, row.gate, row.threshold) == ({"boundary": True}, "a", 0.5)  # unite's params stay with unite
+    with pytest.warns(FutureWarning, match=r"--methods: gac-select is now gac-threshold with params.boundary: true"):
+        assert parse_methods("gac,gac-select") == ["gac", "gac-select"]
 
 
 def test_byte_rows_are_the_byte_method_with_its_mixer():

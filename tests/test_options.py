@@ -26,16 +26,31 @@ def test_options_are_frozen_and_validated_once():
         EnsembleOptions(gate="A")
     with pytest.raises(ValidationError, match="params.k: unite: k must be a positive integer"):
         EnsembleOptions(method="unite", params={"k": 0})
-    with pytest.raises(ValidationError, match=r"params.colour: gac: unexpected keyword argument 'colour' \(known: select"):
+    with pytest.raises(ValidationError, match=r"params.colour: gac: unexpected keyword argument 'colour' \(known: boundary"):
         EnsembleOptions(params={"colour": 1})
 
 
+def test_the_old_spelling_of_selective_ensembling_is_thresholded_mode_on_the_primary():
+    """``params.select`` (with ``select_boundary``) reads as ``threshold`` with ``params.boundary``, with a warning."""
+    with pytest.warns(FutureWarning, match=r"params.select is now spelled `threshold` \(the gate: the primary member\)"):
+        old = EnsembleOptions(method="unite", params={"k": 3, "select": 0.4})
+    assert old == EnsembleOptions(method="unite", params={"k": 3, "boundary": True}, threshold=0.4)
+    with pytest.warns(FutureWarning):
+        off = EnsembleOptions(params={"select": 0.4, "select_boundary": False})
+    assert off == EnsembleOptions(threshold=0.4, params={"boundary": False})
+    assert EnsembleOptions(params={"select": None}) == EnsembleOptions()  # null: off
+    with pytest.raises(ValidationError, match="params.select: gac: Input should be less than or equal to 1"):
+        EnsembleOptions(params={"select": 2})
+    with pytest.raises(ValidationError, match="params.boundary: the word-boundary rule of thresholded mode; it needs `threshold`"):
+        EnsembleOptions(params={"boundary": True})
+
+
 def test_replace_is_the_override_rule():
-    o = EnsembleOptions(method="unite", params={"k": 3, "select": 0.5}, gate=None)
-    assert o.replace(params={"k": 4}).params == {"k": 4, "select": 0.5}  # merged key by key
-    assert o.replace(method="unite").params == {"k": 3, "select": 0.5}  # the same method keeps them
+    o = EnsembleOptions(method="unite", params={"k": 3, "boundary": True}, threshold=0.5, gate=None)
+    assert o.replace(params={"k": 4}).params == {"k": 4, "boundary": True}  # merged key by key
+    assert o.replace(method="unite").params == {"k": 3, "boundary": True}  # the same method keeps them
     assert o.replace(method="gac").params == {}  # another method's parameters do not carry over
-    gated = o.replace(params={"select": None}, gate="A", threshold=0.3)
+    gated = o.replace(params={"boundary": False}, gate="A", threshold=0.3)
     assert (gated.gate, gated.threshold) == ("A", 0.3) and gated.replace(gate=None, threshold=None).gate is None
     assert o.replace(speculative={"k": 2}).speculative.k == 2
     with pytest.raises(ValidationError, match="speculative.k"):

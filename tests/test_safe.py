@@ -287,7 +287,7 @@ def test_parameters_are_declared_and_checked(members, align_cache):
             ({"params": {"safe_lambda": 0.2}}, "params.safe_lambda: a parameter of SAFE"),
             ({"params": {"safe": True}, "gate": "A", "threshold": 0.5, "primary": "B"}, "gate: with `safe` the gate is the primary member (B)"),
             ({"params": {"safe": True}, "speculative": {"draft": "C"}}, "speculative.draft: SAFE drafts with the primary member (A)"),
-            ({"params": {"safe": True, "select": 0.5}}, "params.safe: SAFE and selective ensembling"),
+            ({"params": {"safe": True, "select": 0.5}}, "params.safe: SAFE decides its drafted positions itself; the word-boundary"),
             ({"params": {"safe": True, "prompt_weights": 0.1}}, "params.safe: SAFE decodes in drafted rounds, which prompt_weights does not allow"),
             ({"method": "deepen", "params": {"safe": True}}, "params.safe: deepen: unexpected keyword argument 'safe'")):
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
@@ -313,5 +313,5 @@ def test_the_safe_row_is_gac_plus_safe():
                         "speculative": {"k": 6, "draft": "a"}})
     (spec,) = plan_methods(cfg, ["safe"], form="generate", registered=["gac"], log=lambda m: None)
     row = cfg.with_overrides(**spec.overrides)
-    assert row.params == {"select": None, "safe": True}
+    assert row.params == {"boundary": False, "safe": True}  # the config's selective rule does not revise SAFE's
     assert (row.primary, row.gate, row.threshold, row.speculative) == ("b", "b", 0.5, None)

@@ -20,7 +20,7 @@ VARIANTS = {
     "gac": {},
     "unite": {"method": "unite"},
     "gated": {"gate": "A", "threshold": 0.5},
-    "select": {"params": {"select": 0.4}},
+    "select": {"threshold": 0.4, "params": {"boundary": True}},
     "conf": {"params": {"confidence": "entropy"}},
 }
 

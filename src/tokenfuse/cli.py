@@ -97,8 +97,8 @@ def _ensemble_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--primary", help="primary member (default: highest score in the config, else the first)")
     p.add_argument("--agreement-skip", dest="agreement_skip", action=argparse.BooleanOptionalAction, default=None,
                    help="skip alignment when every member's top piece agrees (default: on for greedy gac/unite, and contrast with beta 0)")
-    p.add_argument("--gate", help="gate member for thresholded GaC")
-    p.add_argument("--threshold", type=float, help="ensemble only when the gate's top probability <= T")
+    p.add_argument("--gate", help="gate member of --threshold (default: the primary member)")
+    p.add_argument("--threshold", type=float, help="thresholded mode: ensemble only when the gate's top probability <= T")
     p.add_argument("--weights", help="comma-separated member weights (with --models)")
 
 

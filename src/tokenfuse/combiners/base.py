@@ -16,7 +16,7 @@ Each combiner declares its parameters as a pydantic model (``Params``); ``get_co
 the server's per-request options report a bad parameter the same way (``params.<key>: ...``).
 
 A combiner that declares ``adaptive = True`` (GaC, UniTE) also takes the engine's adaptive
-parameters (``select``, ``confidence``, ``prompt_weights``, ...) in its ``params``: they are
+parameters (``boundary``, ``confidence``, ``prompt_weights``, ...) in its ``params``: they are
 declared and run by the step decision's strategies (``tokenfuse.engine.strategies``), which hand a
 combiner nothing but per-row weight factors (``StepView.log_factors``); ``validate_params``
 checks them with the combiner's own through the models the caller passes (``extra``).

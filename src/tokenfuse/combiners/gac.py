@@ -7,8 +7,8 @@ member when its top probability exceeds ``t`` and combines whoever ran.
 
 Adaptive (``adaptive = True``; the step decision's strategies, ``tokenfuse.engine.strategies``):
 ``confidence`` scales each member's weight per step by its confidence; ``prompt_weights`` per prompt
-by its likelihood of the prompt (PackLLM-sim); ``select`` ensembles only where the primary member is
-unsure and the members disagree (SAFE-style). The average stays ``Σ w_i p_i / Σ w_i``, with per-row
+by its likelihood of the prompt (PackLLM-sim); ``boundary`` revises a thresholded step's choice at a
+split word (``tokenfuse.engine.strategies.gate``). The average stays ``Σ w_i p_i / Σ w_i``, with per-row
 ``w``.
 
 Deviations from the paper: the union is over exact bytes, not token strings; each member's

@@ -25,7 +25,7 @@ Each step, per sequence:
    chooses (greedy by default, or sampling over the candidates).
 
 Adaptive options (``adaptive = True``: ``confidence`` from each member's top-k, ``prompt_weights``,
-``select``) as for GaC (``combiners/gac.py``); the average in step 4 then has per-row weights.
+``boundary``) as for GaC (``combiners/gac.py``); the average in step 4 then has per-row weights.
 
 A member is asked only for its top-``k`` and for the log-probabilities of a few named ids
 (``Member.next_topk`` and ``Member.token_logprobs``), so members that expose nothing else can take

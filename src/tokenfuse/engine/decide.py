@@ -3,7 +3,7 @@
 For a batch of sequences at one step:
 
 1. **Groups** (``groups``): every weighted member decides every row; or, with a gating strategy
-   (GaC Eq. 5, ``select``), the gate alone decides the rows where its top probability is above
+   (GaC Eq. 5, ``threshold``), the gate alone decides the rows where its top probability is above
    the threshold and the weighted members decide the rest.
 2. **Agreement skip** (``agreement``): where every computed member ranks the same union entry
    first, that entry is the choice; alignment and combination are skipped (exact for greedy
@@ -14,11 +14,11 @@ For a batch of sequences at one step:
    sampling with the sequence's own generator.
 
 The adaptive rules are strategies (``tokenfuse.engine.strategies``), asked through one narrow
-interface: the one that gates gives step 1's gate member and threshold (thresholded mode, or
-``select`` with the primary), every one may ``prepare`` the sequences before a forward (PackLLM
+interface: the one that gates gives step 1's gate member and threshold (thresholded mode: ``gate``, by
+default the primary), every one may ``prepare`` the sequences before a forward (PackLLM
 prompt scores), add per-row log weight factors to the combiner's view (prompt weights, confidence),
-``reshape`` the combined distribution (SAFE's sharpening) and ``revise`` a choice (select's word
-boundary); one may have generation run in drafted rounds (``rounds``: SAFE; the rounds themselves
+``reshape`` the combined distribution (SAFE's sharpening) and ``revise`` a choice (the gate's word-boundary
+rule); one may have generation run in drafted rounds (``rounds``: SAFE; the rounds themselves
 are ``speculative.Speculator``'s, which decides the triggered positions with ``decide_given``).
 This module only orchestrates.
 

@@ -72,7 +72,7 @@ class Ensemble:
             shorthand for ``EnsembleOptions(**fields)`` (or, with ``options``, ``options.replace``).
             Every member re-syncs from the output bytes, so no member's tokenization drives the loop;
             the primary member (default: the highest ``score``, else the first) breaks greedy ties,
-            is ``select``'s gate and segments given text into steps (likelihood scoring).
+            is the default gate of ``threshold`` and segments given text into steps (likelihood scoring).
         align_cache: directory for cached alignment tables (``None``: no disk cache).
         union: an already built union of these members' vocabularies (e.g. shared by a server's
             ensembles), else built or loaded.

@@ -13,10 +13,18 @@ weights belong to the members (their config, or ``Ensemble.variant(weights=...)`
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tokenfuse.combiners import combiner_class, validate_params
 from tokenfuse.engine.strategies import check_strategies, strategy_params
@@ -40,13 +48,15 @@ class EnsembleOptions(BaseModel):
 
     * ``method``: a registered combiner (``gac``, ``unite``, ``deepen``, ``contrast``; ``byte`` generates
       byte by byte: ``tokenfuse.engine.bytegen``, without what it ``lacks``); ``params`` its parameters
-      and the adaptive ones (``select``, ``confidence``, ``prompt_weights``, ...);
+      and the adaptive ones (``boundary``, ``confidence``, ``prompt_weights``, ...);
     * ``primary``: the primary member's name (``None``: the member with the highest ``score``, else
-      the first). Greedy ties go to the piece it finds more likely; it gates ``select`` and
+      the first). Greedy ties go to the piece it finds more likely; it is the default ``gate`` and
       segments given text into steps (likelihood scoring);
     * ``agreement_skip``: take the piece every computed member ranks first without combining
       (``None``: on for greedy decoding with combiners where this is exact, ``gac`` and ``unite``);
-    * ``gate``, ``threshold``: thresholded mode (GaC Eq. 5), each needs the other;
+    * ``threshold``, ``gate``: thresholded mode (GaC Eq. 5): the gate member (default: the primary)
+      alone where its top probability is above ``threshold``; ``gate`` needs a threshold (the old
+      spelling ``params.select``: ``read_old_spellings``);
     * ``window``: look-behind window (member tokens) for re-synchronisation;
     * ``scoring``: ``loglikelihood``'s path, ``one-forward`` or ``stepwise`` (the reference;
       docs/evaluation.md, "One-forward scoring");
@@ -73,6 +83,11 @@ class EnsembleOptions(BaseModel):
     @classmethod
     def _no_params(cls, params: Any) -> Any:
         return {} if params is None else params
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data: Any) -> Any:
+        return read_old_spellings(data)
 
     @model_validator(mode="after")
     def _consistent(self) -> EnsembleOptions:
@@ -128,12 +143,75 @@ class EnsembleOptions(BaseModel):
 
     def primary_of(self, names: Sequence[str], scores: Sequence[float | None]) -> str:
         """The primary member's name: ``primary`` if set, else the highest score, else the first."""
-        if self.primary is not None:
-            return self.primary
-        scored = [(s, n) for n, s in zip(names, scores) if s is not None]
-        if scored:
-            return max(scored, key=lambda x: x[0])[1]  # max keeps the first of equal scores
-        return names[0]
+        return primary_of(self.primary, names, scores)
+
+
+def primary_of(primary: str | None, names: Sequence[str], scores: Sequence[float | None]) -> str:
+    """``primary`` if set, else the member with the highest score, else the first."""
+    if primary is not None:
+        return primary
+    scored = [(s, n) for n, s in zip(names, scores) if s is not None]
+    if scored:
+        return max(scored, key=lambda x: x[0])[1]  # max keeps the first of equal scores
+    return names[0]
+
+
+def _primary_label(data: Mapping[str, Any]) -> str:
+    """The primary member as an error message names it, from options or a config not validated yet."""
+    if data.get("primary") is not None:
+        return str(data["primary"])
+    members = [m if isinstance(m, Mapping) else vars(m) for m in data.get("members") or []]
+    names = [m.get("name") for m in members]
+    if not names or not all(isinstance(n, str) for n in names):
+        return "the primary member"
+    return primary_of(None, names, [s if isinstance(s := m.get("score"), (int, float)) else None for m in members])
+
+
+class _OldSelect(BaseModel):
+    """The old spelling of thresholded mode on the primary member (``read_old_spellings``)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+    select: float | None = Field(None, ge=0, le=1)
+    select_boundary: bool = True
+
+
+def read_old_spellings(data: Any) -> Any:
+    """Options given in an old spelling, in the one spelling (a one-line ``FutureWarning`` once).
+
+    ``params.select: t`` (selective ensembling, with ``select_boundary``) is thresholded mode on the
+    primary member: ``threshold: t`` and ``params.boundary`` (its word-boundary rule, on unless
+    ``select_boundary: false``); ``select: null`` is dropped. Where the method takes no adaptive
+    parameters the keys are left for its own check to name.
+    """
+    if not isinstance(data, Mapping) or not isinstance(data.get("params"), Mapping):
+        return data
+    params = data["params"]
+    if "select" not in params and "select_boundary" not in params:
+        return data
+    try:
+        if not combiner_class(data.get("method") or "gac").adaptive:
+            return data
+    except ConfigError:
+        return data  # an unknown method: its own check names it
+    params = dict(params)
+    method = data.get("method") or "gac"
+    try:
+        old = _OldSelect(select=params.pop("select", None), select_boundary=params.pop("select_boundary", True))
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise ValueError(f"params.{e['loc'][0]}: {method}: {e['msg']}") from None
+    select, boundary = old.select, old.select_boundary
+    out = {**data, "params": params}
+    if select is None:
+        return out
+    if data.get("gate") is not None or data.get("threshold") is not None:
+        raise ValueError(f"params.select: selective ensembling gates on the primary member "
+                         f"({_primary_label(data)}); drop `gate` and `threshold`, or drop "
+                         "`select` (set `primary` to choose the member)")
+    warnings.warn("params.select is now spelled `threshold` (the gate: the primary member) with `params.boundary` "
+                  "(its word-boundary rule; on unless select_boundary: false)", FutureWarning, stacklevel=2)
+    params["boundary"] = boundary
+    return out | {"threshold": select}
 
 
 def merged(data: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:

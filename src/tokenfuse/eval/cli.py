@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 raise TokenfuseError(f"--tasks: {own} (bits per byte of held-out documents) runs on its own: "
                                      f"`--tasks {own}`, and the other tasks in another run")
             return _run_text(cfg, args, own)
-    if args.eval_gate or (args.eval_threshold is not None and cfg.gate):  # only gac-threshold uses them
+    if args.eval_gate or (args.eval_threshold is not None and cfg.threshold is not None):  # only gac-threshold uses them
         threshold = args.eval_threshold if args.eval_threshold is not None else (cfg.threshold or DEFAULT_THRESHOLD)
         cfg = cfg.with_overrides(gate=args.eval_gate or cfg.gate, threshold=threshold, origin="--gate/--threshold")
     settings = EvalSettings(

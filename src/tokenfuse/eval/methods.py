@@ -6,10 +6,9 @@ Method names (``--methods``):
 |---|---|---|
 | ``single`` | engine | each member alone (rows ``single:<member>``), through the same engine |
 | ``gac`` | engine | GaC every step (the config's weights) |
-| ``gac-threshold`` | engine | thresholded GaC (the config's ``gate``/``threshold``, else the primary member at 0.5) |
+| ``gac-threshold`` | engine | thresholded GaC (the config's ``threshold``, ``gate`` and ``params.boundary``; else the primary member at 0.5) |
 | ``unite`` | engine | UniTE (the config's ``params`` if its method is ``unite``) |
 | ``deepen`` | engine | DeePEn, once a combiner named ``deepen`` is registered (skipped otherwise) |
-| ``gac-select`` | engine | GaC with selective ensembling (``params.select``, default 0.5; SAFE-style) |
 | ``gac-conf`` | engine | GaC with per-step confidence weights (``params.confidence``, default ``entropy``) |
 | ``gac-prompt`` | engine | GaC with PackLLM prompt weights (``prompt_weights`` τ 0.1, ``prompt_bytes`` 512) |
 | ``safe`` | engine | GaC + SAFE (SAFE's Table 2): ``params.safe`` (the paper's defaults: chunks of 5, sharpening), the primary member drafting and gating at 0.5 |
@@ -23,13 +22,17 @@ Method names (``--methods``):
 | ``sc`` | answers | generate form only: each member's own self-consistency over ``k × M`` samples (rows ``sc:<member>``), ``mux``'s budget-matched baseline |
 | ``auto`` | auto | per task, the row or candidate configuration with the best accuracy on dev items only (``tokenfuse.eval.auto``) |
 
-The adaptive rows (``gac-select``, ``gac-conf``, ``gac-prompt``, ``safe``) take the config's value of each of
+The adaptive rows (``gac-conf``, ``gac-prompt``, ``safe``) take the config's value of each of
 their parameters when its method is ``gac`` and it sets one, else the default in ``ADAPTIVE_ROWS``; they are
-not in the default ``--methods``. ``safe`` drafts with the primary member, which is also its gate at
-``threshold`` 0.5 (GaC in the paper ensembles only where the main model is below 0.5); it drops the
-config's ``select`` (both decide by the primary) and ``speculative`` (SAFE's rounds are its own).
+not in the default ``--methods``; with them, the config's thresholded mode (``threshold``, ``gate``,
+``params.boundary``) when its method is ``gac``. ``safe`` drafts with the primary member, which is also its
+gate at ``threshold`` 0.5 (GaC in the paper ensembles only where the main model is below 0.5), without the
+boundary rule; it drops the config's ``speculative`` (SAFE's rounds are its own).
 
-The primary member (the gate of ``gac-threshold`` and ``gac-select``, the expert of ``contrast``,
+``gac-select`` is the old name of ``gac-threshold`` with ``params.boundary: true`` (selective
+ensembling): accepted, with a one-line message, under its old name (so its earlier runs resume).
+
+The primary member (the gate of ``gac-threshold``, the expert of ``contrast``,
 the tie-breaker of the votes, the likelihood form's segmentation) is, per task, the config's
 ``primary``, else its highest member ``score``, else the member best on the task's dev items
 (``runner.task_primary``): every row that reads it gets it as an override (``plan_methods(primary=...)``).
@@ -47,6 +50,7 @@ gate's probability alone where it is confident, see ``Ensemble.loglikelihood``).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,12 +60,14 @@ from typing import Any
 from tokenfuse.errors import TokenfuseError
 
 # adaptive GaC rows: the parameters each sets and their defaults (engine.strategies' Params)
-ADAPTIVE_ROWS = {"gac-select": {"select": 0.5}, "gac-conf": {"confidence": "entropy"},
+ADAPTIVE_ROWS = {"gac-conf": {"confidence": "entropy"},
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512},
                  "safe": {"safe": True}}
 # the byte method's rows: the mixer each sets (the text-bytes rows' names)
 BYTE_ROWS = {"byte-mix": "mixture", "byte-gate": "gate"}
 ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS, "contrast", *BYTE_ROWS)
+# rows under an old name: what each is now (accepted with a one-line message)
+OLD_ROWS = {"gac-select": "gac-threshold with params.boundary: true (--param boundary=true)"}
 OUTPUT_METHODS = ("vote", "mbr", "seq-avg")
 ANSWER_METHODS = ("mux", "sc")
 ALL_METHODS = ("single", *ENGINE_METHODS, *OUTPUT_METHODS[:2], *ANSWER_METHODS, "auto")
@@ -91,7 +97,9 @@ def parse_methods(text: str | Sequence[str]) -> list[str]:
     """``"single,gac,vote"`` -> the list, each name checked (a typo names itself and the choices)."""
     names = [m.strip() for m in (text.split(",") if isinstance(text, str) else text) if m.strip()]
     for n in names:
-        if n not in ALL_METHODS and n != "seq-avg":
+        if n in OLD_ROWS:
+            warnings.warn(f"--methods: {n} is now {OLD_ROWS[n]}", FutureWarning, stacklevel=2)
+        elif n not in ALL_METHODS and n != "seq-avg":
             from difflib import get_close_matches
 
             hint = get_close_matches(n, ALL_METHODS, n=1)
@@ -137,29 +145,32 @@ def plan_methods(cfg, names: Sequence[str], *, form: str, registered: Sequence[s
                 continue
             specs.append(MethodSpec(n, "output", members))
             continue
-        combiner = "gac" if n == "gac-threshold" or n in ADAPTIVE_ROWS else "byte" if n in BYTE_ROWS else n
+        combiner = "gac" if n in ("gac-threshold", *OLD_ROWS) or n in ADAPTIVE_ROWS else "byte" if n in BYTE_ROWS else n
         if combiner not in registered:
             log(f"{n}: skipped (no combiner {combiner!r} is registered; available: {', '.join(sorted(registered))})")
             continue
-        if n == "gac-threshold":
-            gate = cfg.gate or primary
-            own = cfg.threshold if cfg.gate else threshold
-            over = {"method": "gac", "gate": gate, "threshold": own if own is not None else DEFAULT_THRESHOLD}
-            if cfg.params.get("select") is not None:
-                over["params"] = {"select": None}  # the gate is this row's own
+        if n in ("gac-threshold", *OLD_ROWS):
+            own = cfg.threshold if cfg.threshold is not None else threshold
+            over = {"method": "gac", "gate": cfg.gate or primary,
+                    "threshold": own if own is not None else DEFAULT_THRESHOLD}
+            if n == "gac-select":
+                over["params"] = {"boundary": True}
         elif n in ADAPTIVE_ROWS:
             own = cfg.params if cfg.method == "gac" else {}
-            over = {"method": "gac", "gate": None, "threshold": None,
-                    "params": {k: own[k] if own.get(k) is not None else v for k, v in ADAPTIVE_ROWS[n].items()}}
-            if n == "safe":  # GaC + SAFE: the primary drafts and gates; select would decide by it too
+            over = {"method": "gac", "params": {k: own[k] if own.get(k) is not None else v
+                                                for k, v in ADAPTIVE_ROWS[n].items()}}
+            if cfg.method != "gac":  # the config's thresholded mode comes with its gac parameters
+                over.update(gate=None, threshold=None)
+            if n == "safe":  # GaC + SAFE: the primary drafts and gates (SAFE revises no choice: no boundary rule)
                 over.update(primary=primary, gate=primary, threshold=DEFAULT_THRESHOLD, speculative=None)
-                if cfg.params.get("select") is not None:
-                    over["params"]["select"] = None
+                over["params"]["boundary"] = False
         elif n in BYTE_ROWS:
             fit = {"fit": cfg.params["fit"]} if cfg.method == "byte" and cfg.params.get("fit") else {}
             over = {"method": "byte", "gate": None, "threshold": None, "params": {"mix": BYTE_ROWS[n]} | fit}
         else:  # the config's params carry over only to its own method (EnsembleConfig.with_overrides)
-            over = {"method": n, "gate": None, "threshold": None}
+            over = {"method": n, "gate": None, "threshold": None}  # every step: thresholded mode is gac-threshold's
+            if n == cfg.method and cfg.params.get("boundary"):
+                over["params"] = {"boundary": False}
         specs.append(MethodSpec(n, "engine", members, over | pinned))
     if form == "likelihood" and len(members) > 1 and "seq-avg" not in [s.name for s in specs]:
         specs.append(MethodSpec("seq-avg", "output", members))  # the issue's sequence-level baseline, always shown

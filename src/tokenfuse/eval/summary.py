@@ -47,9 +47,9 @@ def method_summary(records: Sequence[dict], *, form: str) -> dict:
 
 
 def row_order(method: str) -> int:
-    from tokenfuse.eval.methods import ANSWER_METHODS, ENGINE_METHODS, OUTPUT_METHODS
+    from tokenfuse.eval.methods import ANSWER_METHODS, ENGINE_METHODS, OLD_ROWS, OUTPUT_METHODS
 
-    order = ("single", *ENGINE_METHODS, *OUTPUT_METHODS, *ANSWER_METHODS)
+    order = ("single", *ENGINE_METHODS, *OLD_ROWS, *OUTPUT_METHODS, *ANSWER_METHODS)
     return order.index(method.split(":")[0]) if method.split(":")[0] in order else len(order)
 
 

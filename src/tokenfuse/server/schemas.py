@@ -23,7 +23,7 @@ class TokenfuseOptions(_Strict):
     """Per-request ensemble options (the request's ``"tokenfuse"`` field).
 
     Any of the config's ensemble fields: ``method`` (``gac``, ``unite``, ...), ``params`` (the
-    method's parameters, e.g. ``{"k": 5}``), ``gate`` + ``threshold`` (thresholded GaC),
+    method's parameters, e.g. ``{"k": 5}``), ``threshold`` (thresholded GaC; ``gate``: its member, default the primary),
     ``primary``, ``agreement_skip``, and ``weights`` (a list in member order, or
     ``{"member name": weight}``). Members stay loaded once; each distinct option set gets its own
     light ``Ensemble`` on them. ``trace`` (with ``trace_k``, each member's top-k, default 5) asks

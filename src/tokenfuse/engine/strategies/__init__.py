@@ -1,5 +1,5 @@
 """The step decision's strategies (``base.Strategy``), registered in order: thresholded mode
-(``gate``), selective ensembling (``select``), per-prompt weights (``prompt``), per-step confidence
+(``gate``: a gate member, by default the primary, alone where it is sure), per-prompt weights (``prompt``), per-step confidence
 weights (``confidence``) and SAFE (``safe``: drafted rounds, the ensemble triggered at clean
 positions without consensus; sharpening); a
 new one plugs in with ``register`` (after them). The order is the order of their hooks: gates
@@ -17,7 +17,6 @@ from tokenfuse.engine.strategies.confidence import Confidence
 from tokenfuse.engine.strategies.gate import Gate
 from tokenfuse.engine.strategies.prompt import PromptWeights
 from tokenfuse.engine.strategies.safe import Safe
-from tokenfuse.engine.strategies.select import Select
 
 STRATEGIES: list[type[Strategy]] = []
 
@@ -33,7 +32,7 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-for _builtin in (Gate, Select, PromptWeights, Confidence, Safe):
+for _builtin in (Gate, PromptWeights, Confidence, Safe):
     register(_builtin)
 
 

@@ -92,9 +92,9 @@ class Safe(Strategy):
                 if key in options.params:
                     raise ConfigError(f"params.{key}: a parameter of SAFE; it needs `safe: true`")
             return
-        if options.params.get("select") is not None:
-            raise ConfigError("params.safe: SAFE and selective ensembling (`select`) both decide by the "
-                              "primary member; drop one of them")
+        if options.params.get("boundary"):
+            raise ConfigError("params.safe: SAFE decides its drafted positions itself; the word-boundary "
+                              "rule (`boundary`) would revise them: drop one of them")
         if options.primary is not None:
             _check_drafter(options, options.primary)
 
