@@ -1,4 +1,4 @@
-"""scripts/pack_records.py: the published record tarballs unpack into `--out` as the records they came from."""
+"""scripts/results/pack_records.py: the published record tarballs unpack into `--out` as the records they came from."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("pack_records", ROOT / "scripts" / "pack_records.py")
+    spec = importlib.util.spec_from_file_location("pack_records", ROOT / "scripts" / "results" / "pack_records.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

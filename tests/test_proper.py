@@ -103,7 +103,7 @@ def test_no_option_scores_no_proper_section():
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("proper_scores", ROOT / "scripts" / "proper_scores.py")
+    spec = importlib.util.spec_from_file_location("proper_scores", ROOT / "scripts" / "results" / "proper_scores.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

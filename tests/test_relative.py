@@ -124,7 +124,7 @@ def test_rows_match_the_dense_computation():
     err = (store.rows(np.arange(2000)) - dense).abs()
     assert (err <= (2**-11 + 1e-4) * dense + 2**-24 / len(anchor_ids)).all()
     # bfloat16 product: the error grows with the rows' sharpness (these are far sharper than real ones,
-    # where scripts/measure_deepen.py measures L1 ≤ 0.003)
+    # where scripts/measure/measure_deepen.py measures L1 ≤ 0.003)
     bf = RelativeRows(EmbeddingRows(tensor=emb), anchor_ids, capacity=2000, compute_dtype=torch.bfloat16)
     assert (bf.rows(np.arange(2000)) - dense).abs().sum(1).max().item() < 0.1
 

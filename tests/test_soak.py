@@ -1,4 +1,4 @@
-"""The soak and fault script's quick mode (scripts/soak.py --quick) on the real bundled models:
+"""The soak and fault script's quick mode (scripts/load/soak.py --quick) on the real bundled models:
 mixed load on `tokenfuse serve` with nothing lost and no 5xx, then the faults (a client gone inside
 a re-sync, a remote member's server killed / restarted / stalled, a Ray actor's process killed and
 restarted, a Ray node removed), each survived by the server."""
@@ -22,9 +22,9 @@ NEEDS = ("fastapi", "uvicorn", "sse_starlette", "llama_cpp", "starlette_context"
 def test_soak_quick(tmp_path):
     missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"scripts/soak.py needs {', '.join(missing)} (scripts/setup.sh installs them)")
+        pytest.skip(f"scripts/load/soak.py needs {', '.join(missing)} (scripts/setup.sh installs them)")
     out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--quick", "--json", str(out)],
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "load" / "soak.py"), "--quick", "--json", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.is_file(), run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""``tokenfuse analyze tokenizers|calibration``: argument parsing only."""
+"""``tokenfuse analyze tokenizers|calibration|compare|letters|pieces``: argument parsing only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from tokenfuse.errors import TokenfuseError
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("analyze", help="tokenizer agreement (GaC Fig. 2) and calibration (GaC Tab. 1)")
+    p = subparsers.add_parser("analyze", help="tokenizer agreement (GaC Fig. 2), calibration (GaC Tab. 1) and "
+                                              "readings of eval records")
     sub = p.add_subparsers(dest="analysis")
     t = sub.add_parser("tokenizers", help="pairwise share of common English words tokenised identically")
     t.add_argument("--models", help="comma-separated members (default: the three bundled models)")
@@ -27,12 +28,43 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--eval-out", help="reuse the likelihood records of a `tokenfuse eval --out DIR` run")
     c.add_argument("--out", default="analyze-out", help="directory for calibration.md/.json/.png")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
+    r = sub.add_parser("compare", help="two sets of eval records of one task and form, item by item")
+    r.add_argument("old", help="a folder of records, e.g. OUT/items/mmlu-likelihood")
+    r.add_argument("new", help="the folder of the same task and form to compare it with")
+    g = sub.add_parser("letters", help="the letters of the gold answers and of each row's answers (letter form)")
+    g.add_argument("task", help="multiple-choice task whose letter-form records are read")
+    g.add_argument("--eval-out", required=True, help="the `tokenfuse eval --mc generate --out DIR` run")
+    g.add_argument("--limit", type=int, default=500, help="the eval's --limit (default 500)")
+    g.add_argument("--dev", action="store_true", help="auto's dev items instead of the test items")
+    g.add_argument("--data", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
+    s = sub.add_parser("pieces", help="where a token-level row gains and loses bytes on a text run, piece by piece")
+    s.add_argument("run", help="a finished `tokenfuse eval --tasks text --out DIR` run (its results.json, features/)")
+    s.add_argument("--row", default="gac", help="token-level row (default gac)")
+    s.add_argument("--docs", type=int, default=2, help="first test documents of each domain (default 2)")
+    s.add_argument("--top", type=int, default=8, help="pieces shown where the row lost and saved most (default 8)")
+    s.add_argument("--data", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     if args.analysis is None:
-        raise TokenfuseError("analyze: choose tokenizers or calibration (tokenfuse analyze --help)")
+        raise TokenfuseError("analyze: choose tokenizers, calibration, compare, letters or pieces "
+                             "(tokenfuse analyze --help)")
+    if args.analysis == "compare":
+        from tokenfuse.analyze.compare import compare_records
+
+        print(compare_records(args.old, args.new))
+        return 0
+    if args.analysis == "letters":
+        from tokenfuse.analyze.letters import letter_counts
+
+        print(letter_counts(args.task, args.eval_out, limit=args.limit, dev=args.dev, data=args.data))
+        return 0
+    if args.analysis == "pieces":
+        from tokenfuse.analyze.pieces import text_pieces
+
+        print(text_pieces(args.run, row=args.row, docs=args.docs, top=args.top, data=args.data))
+        return 0
     cfg = EnsembleConfig.from_args(args)
     if args.analysis == "tokenizers":
         from tokenfuse.analyze.tokenizers import run_tokenizers

@@ -175,7 +175,7 @@ def _median_sample(samples: list[dict]) -> dict:
 
 
 def streams_figures(section: dict) -> dict:
-    """A streams section's figures by count, the JSON shape of the bench and ``scripts/bench_cuda.py``:
+    """A streams section's figures by count, the JSON shape of the bench and ``scripts/bench/bench_cuda.py``:
     ``streams`` (tokens/s, prefill included), ``streams_decode`` (decode only), ``streams_vs_1``
     (against one stream at a time) and ``streams_identical`` (outputs equal to alone), keyed ``"N"``."""
     rows = section["rows"]

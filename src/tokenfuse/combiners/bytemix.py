@@ -22,7 +22,7 @@ With ``params.fit``, ``mixture`` mixes at the fit's ``byte-mix`` weights instead
 numbers of ``switch`` (``alpha``) and ``gate`` come from ``params.fit``, a text-bytes fit file (a
 ``tokenfuse eval --tasks text-bytes`` run's results.json, or a file of its shape): by default the one
 shipped for the bundled three members (``fits/bundled-bytes.json``, built from the shared dev text by
-``scripts/fit_bytes.py``); ``params.alpha`` sets ``switch``'s share without a fit;
+``scripts/results/fit_bytes.py``); ``params.alpha`` sets ``switch``'s share without a fit;
 
 then gives probability 0 to the outcomes the step may not choose (``StepView.allowed``: those that
 would not keep the output whole UTF-8 text; and a byte that is no union entry) and renormalises

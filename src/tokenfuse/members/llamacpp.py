@@ -27,7 +27,7 @@ after its prompt's whole blocks) — only without ``exact_calls``:
 * the batch, with ``multi_seq=N`` set explicitly: every batched step (two or more sequences with
   new ids). They share one KV cache and one call, and llama.cpp's batched kernels make each row
   depend on the batch's composition (2-3 of 4 continuations identical to one by one in
-  ``scripts/bench_multiseq.py``, 7 of 8 in ``scripts/loadtest.py``); this shared context has no
+  ``scripts/bench/bench_multiseq.py``, 7 of 8 in ``scripts/load/loadtest.py``); this shared context has no
   prefix cache either;
 * the cut, with either setting: whatever feeds a sequence several ids in one call — a catch-up
   chunk after a re-sync, speculative verification and one-forward scoring (``logprobs_at``),
@@ -58,12 +58,12 @@ one-token call takes other attention kernels than a longer one, the weight matri
 quantisation types (Q4_K/Q6_K/Q5_0, as in the bundled Gemma-3 and Qwen files) are multiplied by
 other kernels in calls of fewer than 8 tokens, and flash attention (off by default) takes another path
 for long calls. Calls of 8 or more tokens that start at a multiple of 8 give a fresh prefill's
-numbers (``scripts/measure_split.py``; docs/evaluation.md, "One-forward scoring").
+numbers (``scripts/measure/measure_split.py``; docs/evaluation.md, "One-forward scoring").
 
 ``exact_calls`` (off by default) makes every row of every call the number feeding one id at a time
 gives: weights are used as stored (no repacking) and flash attention is on, which makes calls of at
 most ``SMALL`` ids compute each row as a one-id call does, for one sequence or several
-(``scripts/measure_batch_invariance.py``); the prompt's whole ``LARGE``-blocks are fed in calls of
+(``scripts/measure/measure_batch_invariance.py``); the prompt's whole ``LARGE``-blocks are fed in calls of
 whole blocks (one fresh prefill's numbers, whatever the cut) and every other id in calls of at most
 ``SMALL``. Its KV cache is kept in BF16 (``EXACT_KV_TYPE``): with F16 keys and values llama.cpp's
 flash attention splits the cached positions of a one-id call among the threads once there are 512

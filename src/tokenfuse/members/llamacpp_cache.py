@@ -12,7 +12,7 @@ from typing import Any
 from tokenfuse.members.base import SeqState
 
 # llama.cpp's CPU kernels compute a decode call of fewer than BLOCK ids differently from a longer one
-# and group the rows of a longer one from its first position (scripts/measure_split.py). A cached
+# and group the rows of a longer one from its first position (scripts/measure/measure_split.py). A cached
 # prefix is therefore reused only where that gives a fresh prefill's very numbers: up to a multiple
 # of BLOCK, within the positions the cache computed as a fresh prefill does (``Slot.exact``), with at
 # least BLOCK ids left to feed; and long feeds are cut at absolute multiples of ``n_batch``.

@@ -115,7 +115,7 @@ class SharedContext:
                          ) -> dict[tuple[int, int], torch.Tensor]:
         """``multi_seq`` with ``exact_calls``: each sequence's prompt blocks in block calls of its own,
         then every other id of every sequence in shared calls of at most ``SMALL`` ids — each row is
-        computed as a one-id call of that sequence alone computes it (``scripts/measure_batch_invariance.py
+        computed as a one-id call of that sequence alone computes it (``scripts/measure/measure_batch_invariance.py
         --exact``), so the batch gives the one-by-one numbers. A new sequence takes its stream after
         the sequences before it fed their blocks, so it can copy a prompt one of them shares. Returns
         the log-probabilities after the positions in ``want[id(st)]`` (default: each sequence's

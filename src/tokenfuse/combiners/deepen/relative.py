@@ -30,7 +30,7 @@ Restriction to the tokens that carry mass (the one approximation)
     so ``r_i`` is a mixture of ``R̂_i`` rows as in the paper. The inverse transformation moves
     the logits of the main member's kept tokens (softmax over them); all other logits keep their
     value relative to each other. Measured on 80 greedy steps of the bundled models against a
-    reference with exact float32 rows and 256 tokens per member (``scripts/measure_deepen.py``):
+    reference with exact float32 rows and 256 tokens per member (``scripts/measure/measure_deepen.py``):
     mass 0.99 / 32 rows (default) gives the reference's choice at 77/80 steps, |Δ log-prob| on
     the reference's top 10 at most 0.66 (mean 0.049), 3.6 ms per warm step (~10 % of the three
     members' one-token decodes); 0.999 / 64 rows: 79/80, 0.34 (0.016), 7.1 ms; 0.95 / 16 rows:
@@ -233,7 +233,7 @@ class DeePEn:
         steps, lr: ``T`` and ``η`` of the inverse transformation (paper and reference: 5, 0.15).
         update: ``"adam"`` (reference optimiser, default) or ``"gd"`` (Eq. 7 as written).
         mass, max_rows: per member and row, the kept tokens are the fewest holding ``mass`` of the
-            probability, at most ``max_rows`` (see ``scripts/measure_deepen.py``). The same cut for
+            probability, at most ``max_rows`` (see ``scripts/measure/measure_deepen.py``). The same cut for
             every member, so identical members fuse to exactly the member itself.
         capacity: ``R̂`` rows kept in memory per member (float16, ``2 · A`` bytes each).
         cache_dir: where anchor matrices and saved rows live (``None``: nothing on disk); the
@@ -304,7 +304,7 @@ class DeePEn:
     def prebuild(self, n: int = DEFAULT_CAPACITY, *, progress: bool = True) -> float:
         """Compute each member's rows for its ids ``0 .. n-1`` now (frequent tokens come first in
         BPE and SentencePiece vocabularies: the first 4,096 ids were 53–66 % of the rows asked for
-        in ``scripts/measure_deepen.py``); ``save`` keeps them for later runs. Returns seconds."""
+        in ``scripts/measure/measure_deepen.py``); ``save`` keeps them for later runs. Returns seconds."""
         start = time.perf_counter()
         for mat in self.matrices:
             mat.prebuild(np.arange(min(n, mat.source.n_rows)), progress=progress)

@@ -7,7 +7,7 @@ Why on demand and not a precomputed sparse matrix: with the reference's normalis
 *not* sharp. The L2 norm of a 38,547-long cosine row is 20–100, so ``T · r / ‖r‖`` spans only a few
 units and every row spreads its mass over nearly all anchors (measured on the bundled models:
 exp-entropy ≈ 38,000 of 38,547; the top 64 anchors hold 0.2–0.3 % of a row, the top 4,096 about
-13 %; ``scripts/measure_deepen.py``). Keeping the top-m anchors of each row therefore keeps almost
+13 %; ``scripts/measure/measure_deepen.py``). Keeping the top-m anchors of each row therefore keeps almost
 nothing of it, and a dense matrix does not fit (262,144 × 38,547 × 4 B ≈ 40 GB for Gemma-3). What
 does fit: the normalised anchor embeddings (``A × d``, 89–138 MB per member in float32, half that
 in bfloat16) and a bounded cache of the rows the ensemble actually asks for (the tokens that carry
