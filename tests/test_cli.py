@@ -33,9 +33,7 @@ def fake_load(monkeypatch, tiny_members, align_cache):
     def load_ensemble(cfg, *, progress=True):
         seen.append(cfg)
         members = [tiny_members[m.name] for m in cfg.members]
-        for m, c in zip(members, cfg.members):
-            m.weight = c.weight
-        return Ensemble(members, cfg.options, align_cache=align_cache)
+        return Ensemble(members, cfg.options, weights=[c.weight for c in cfg.members], align_cache=align_cache)
 
     monkeypatch.setattr(tokenfuse.load, "load_ensemble", load_ensemble)
     return seen

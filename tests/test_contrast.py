@@ -86,13 +86,12 @@ def test_weighted_amateurs(fixed, align_cache):
     score = {k: math.log(pe) - 2.0 * (0.75 * math.log(pa) + 0.25 * math.log(pc))
              for k, pe, pa, pc in ((b" cat", 0.6, 0.7, 0.2), (b" dog", 0.4, 0.3, 0.8))}
     assert got == pytest.approx(softmax(score), abs=1e-6)
-    c.weight = 0.0  # not computed: A alone is the amateur
     _, _, got = first_step(Ensemble([a, c, e], method="contrast", params={"beta": 2.0}, primary="E",
-                                    align_cache=align_cache))
+                                    weights={"C": 0.0}, align_cache=align_cache))  # C not computed: A alone
     assert got == pytest.approx(softmax({b" cat": math.log(0.6 / 0.7 ** 2), b" dog": math.log(0.4 / 0.3 ** 2)}),
                                 abs=1e-6)
-    a.weight = 0.0  # no amateur: the expert alone, its whole distribution
-    _, _, got = first_step(Ensemble([a, c, e], method="contrast", primary="E", align_cache=align_cache))
+    _, _, got = first_step(Ensemble([a, c, e], method="contrast", primary="E", weights={"A": 0.0, "C": 0.0},
+                                    align_cache=align_cache))  # no amateur: the expert alone, its whole distribution
     assert got == pytest.approx({b" cat": 0.6, b" dog": 0.4}, abs=1e-6)
 
 

@@ -219,11 +219,8 @@ def test_weights_matter(build, trio):
     ens = build([a, b])
     even = ens.generate(PROMPTS[0], max_new_tokens=N)
     solo_b = build([b]).generate(PROMPTS[0], max_new_tokens=N)
-    a.weight = 50.0  # weights are read from the members at every step
-    try:
-        skewed = ens.generate(PROMPTS[0], max_new_tokens=N)
-    finally:
-        a.weight = 1.0
+    skewed = build([a, b], weights=[50.0, 1.0]).generate(PROMPTS[0], max_new_tokens=N)  # the ensemble's weights
+    assert a.weight == 1.0 and ens.weights == [1.0, 1.0]  # the member's own default is never written
     solo_a = build([a]).generate(PROMPTS[0], max_new_tokens=N)
     assert skewed.output == solo_a.output
     assert even.output != solo_a.output and even.output != solo_b.output

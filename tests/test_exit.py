@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from tokenfuse import Ensemble, TokenfuseError
-from tokenfuse.members.base import reweighted
 from tokenfuse.members.fasttok import FastTokenizer
 from tokenfuse.members.remote import RemoteMember
 from tokenfuse.members.transformers import TransformersMember
@@ -73,13 +72,14 @@ def test_an_error_in_the_block_still_unloads(pair, align_cache):
     assert all(m.unloaded for m in pair)
 
 
-def test_views_and_shared_models(pair, align_cache):
+def test_shared_members_and_shared_models(pair, align_cache):
     base = Ensemble(pair, align_cache=align_cache)
     a = pair[0]
     copy = TransformersMember("A2", a.model, a.tokenizer, align_cache=align_cache)  # a self-ensemble's copy
     want = Ensemble.single(copy, align_cache=align_cache).generate("Hi", max_new_tokens=3).text
-    views = Ensemble([reweighted(a, 2.0), pair[1]], align_cache=align_cache)  # e.g. a server request's
-    views.unload()  # the view unloads the member it shows, once
+    other = base.variant(weights={"A": 2.0})  # the same loaded members, another weight: a server request's
+    assert other.members[0] is a and other.weights == [2.0, 1.0] and base.weights == [1.0, 1.0]
+    other.unload()  # unloads the loaded members it shares with base, once
     assert a.unloaded and pair[1].unloaded
     base.unload()  # again for the same members: harmless
     with pytest.raises(TokenfuseError, match="unloaded"):

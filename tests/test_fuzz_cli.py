@@ -250,10 +250,8 @@ def generates(monkeypatch, tiny, align_cache):
 
     def load_ensemble(cfg, **_):
         members = [tiny[m.name] for m in cfg.members]
-        for m, c in zip(members, cfg.members):
-            m.weight = c.weight
         return Ensemble(members, method=cfg.method, params=cfg.params, gate=cfg.gate, threshold=cfg.threshold,
-                        window=cfg.window, align_cache=align_cache)
+                        window=cfg.window, weights=[c.weight for c in cfg.members], align_cache=align_cache)
 
     monkeypatch.setattr(tokenfuse.load, "load_ensemble", load_ensemble)
 

@@ -323,16 +323,17 @@ def test_member_declares_its_context_and_chat_template(llamacpp_members, family)
     assert m.context_length == m.llm.n_ctx() == 4096  # MemberConfig's n_ctx: each sequence's own context
     assert m.has_chat_template is bool(m.tokenizer.chat_template)
     assert m.has_chat_template is (family != "gemma3")  # gemma3-270m is the base model
-    assert m.score is None  # its config gives none
+    assert not hasattr(m, "score")  # a score is the ensemble's (``Ensemble.scores``), never a member's
 
 
-def test_load_member_takes_score_and_context_from_the_config():
+def test_load_member_takes_weight_and_context_from_the_config():
     from tokenfuse.config import MemberConfig
     from tokenfuse.load import load_member
 
     m = load_member(MemberConfig(name="smol", source="smollm2-135m-instruct", backend="llamacpp", n_ctx=512,
-                                 score=0.625), progress=False)
-    assert (m.score, m.context_length, m.llm.n_ctx()) == (0.625, 512, 512)
+                                 weight=2.0, score=0.625), progress=False)
+    assert (m.weight, m.context_length, m.llm.n_ctx()) == (2.0, 512, 512)
+    assert not hasattr(m, "score")  # the config's score is the ensemble's (``load.ensemble_from_members``)
 
 
 def test_input_embeddings_are_the_gguf_table(llamacpp_members):

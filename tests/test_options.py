@@ -86,9 +86,47 @@ def test_a_variant_shares_the_members_and_the_union(members, align_cache):
     v = base.variant(base.options.replace(method="unite"), weights={"C": 0.0})
     assert v.union is base.union and [m.name for m in v.members] == ["A", "B", "C"]
     assert [m["weight"] for m in v.describe()["members"]] == [1.0, 1.0, 0.0] and v.describe()["method"] == "unite"
+    assert all(x is y for x, y in zip(v.members, base.members))  # the same member objects, other weights
+    assert base.weights == [1.0, 1.0, 1.0] and v.weights == [1.0, 1.0, 0.0]
     assert [m.weight for m in base.members] == [1.0, 1.0, 1.0]  # the members themselves keep their weights
     pair = Ensemble(members[:2], method="unite", align_cache=align_cache)
     assert v.generate(PROMPT, max_new_tokens=8).text == pair.generate(PROMPT, max_new_tokens=8).text
+
+
+def test_members_shared_by_ensembles_are_never_written(make_tiny, one_thread, tmp_path):
+    """One loaded pair of members serves several ensembles with their own weights and scores (a
+    ``variant``, ``load.ensemble_from_members``): none writes a member attribute, and each decides
+    exactly as an ensemble built fresh on new member objects whose own default weights are its weights."""
+    from tokenfuse.load import ensemble_from_members
+
+    align = tmp_path / "alignment"
+    a, b = make_tiny("smollm2", seed=0, name="A"), make_tiny("qwen", seed=1, name="B")
+    base = Ensemble([a, b], align_cache=align)
+    base.generate(PROMPT, max_new_tokens=2)  # what a member makes at its first forward (a row store) is made
+    before = [dict(vars(m)) for m in (a, b)]
+    heavy_a = base.variant(weights={"A": 50.0})
+    cfg = parse_config({"members": [{"name": "A", "source": "smollm2-135m-instruct", "weight": 1.0, "score": 0.4},
+                                    {"name": "B", "source": "qwen2.5-coder-0.5b-instruct", "weight": 50.0,
+                                     "score": 0.6}], "cache_dir": str(tmp_path)})
+    heavy_b = ensemble_from_members(cfg, [a, b], union=base.union)
+    assert all(e.members[0] is a and e.members[1] is b for e in (base, heavy_a, heavy_b))
+    assert (base.weights, heavy_a.weights, heavy_b.weights) == ([1.0, 1.0], [50.0, 1.0], [1.0, 50.0])
+    assert (base.scores, heavy_a.scores, heavy_b.scores) == ([None, None], [None, None], [0.4, 0.6])
+    assert heavy_b.describe()["members"] == [{"name": "A", "weight": 1.0, "score": 0.4},
+                                             {"name": "B", "weight": 50.0, "score": 0.6}]
+    assert (base.describe()["primary"], heavy_b.describe()["primary"]) == ("A", "B")  # B: the higher score
+    # the three decide in turns on the same member objects, and again after each other
+    got = {name: ens.generate(PROMPT, max_new_tokens=8) for name, ens in
+           (("base", base), ("a", heavy_a), ("b", heavy_b))}
+    assert heavy_a.generate(PROMPT, max_new_tokens=8).output == got["a"].output
+    for m, was in zip((a, b), before):  # nothing of either member was written
+        assert vars(m).keys() == was.keys() and all(v is was[k] for k, v in vars(m).items()), m.name
+    assert (a.weight, b.weight) == (1.0, 1.0) and not hasattr(a, "score") and not hasattr(b, "score")
+    for name, w, scores in (("base", (1.0, 1.0), None), ("a", (50.0, 1.0), None), ("b", (1.0, 50.0), [0.4, 0.6])):
+        fresh = [make_tiny("smollm2", seed=0, name="A", weight=w[0]), make_tiny("qwen", seed=1, name="B", weight=w[1])]
+        want = Ensemble(fresh, scores=scores, align_cache=align).generate(PROMPT, max_new_tokens=8)
+        assert (got[name].output, got[name].member_ids, got[name].steps) == (want.output, want.member_ids, want.steps)
+    assert len({g.output for g in got.values()}) == 3  # the weights matter: three different outputs
 
 
 class _EndParams(BaseModel):

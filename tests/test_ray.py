@@ -93,20 +93,21 @@ def test_config_placement_ray(ray_members, llamacpp_members):
 
 
 def test_ray_member_declares_what_the_local_member_does(ray_members, local_members):
-    """Context length, chat template and score come from the actor's member; its weights stay there."""
+    """Context length, chat template and default weight come from the actor's member (a score is the
+    ensemble's, ``Ensemble.scores``, never a member's); its model weights stay there."""
     from tokenfuse.errors import TokenfuseError
     from tokenfuse.placement.ray import RayMember
 
     for placed, local in zip(ray_members, local_members):
         assert placed.context_length == local.context_length == 2048
         assert placed.has_chat_template is local.has_chat_template
-        assert placed.score is None and local.score is None
+        assert placed.weight == local.weight == 1.0 and not hasattr(placed, "score")
     actor = ray_members[0].actor
-    ray.get(actor.__ray_call__.remote(lambda a: setattr(a.member, "score", 0.5)))
+    ray.get(actor.__ray_call__.remote(lambda a: setattr(a.member, "weight", 0.5)))
     try:
-        assert RayMember(actor, ray.get(actor.info.remote())).score == 0.5
+        assert RayMember(actor, ray.get(actor.info.remote())).weight == 0.5
     finally:
-        ray.get(actor.__ray_call__.remote(lambda a: setattr(a.member, "score", None)))
+        ray.get(actor.__ray_call__.remote(lambda a: setattr(a.member, "weight", 1.0)))
     with pytest.raises(TokenfuseError, match="DeePEn needs local weights"):
         ray_members[0].input_embeddings()
 

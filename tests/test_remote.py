@@ -223,7 +223,8 @@ def test_llama_cpp_server_member(llama_server, llamacpp_members, align_cache):
 
 
 def test_member_contract_of_a_remote_and_a_local_member(make_tiny, smol_tok, align_cache):
-    """What other layers ask of every member: context length, chat template, score, input embeddings."""
+    """What other layers ask of every member: context length, chat template, default weight, input
+    embeddings (a score is the ensemble's, never a member's)."""
 
     def handler(request):
         raise AssertionError("no request expected")
@@ -233,7 +234,7 @@ def test_member_contract_of_a_remote_and_a_local_member(make_tiny, smol_tok, ali
     assert (remote.context_length, local.context_length) == (512, 2048)  # tiny model: max_position_embeddings
     assert mock_member(smol_tok, align_cache, handler).context_length is None
     assert remote.has_chat_template and local.has_chat_template  # SmolLM2-Instruct's tokenizer has one
-    assert remote.score is None and local.score is None
+    assert remote.weight == local.weight == 1.0 and not hasattr(remote, "score") and not hasattr(local, "score")
     e = local.input_embeddings()
     assert e.dtype == torch.float32 and tuple(e.shape) == (len(local.tokenizer), 32)
     assert e.data_ptr() == local.model.get_input_embeddings().weight.data_ptr()  # the model's own table
@@ -242,11 +243,12 @@ def test_member_contract_of_a_remote_and_a_local_member(make_tiny, smol_tok, ali
     assert not hasattr(remote, "_forward") and not hasattr(remote, "_forward_batch")
 
 
-def test_ensemble_from_members_gives_members_their_config_score(make_tiny, one_thread):
+def test_ensemble_from_members_takes_the_config_weights_and_scores(make_tiny, one_thread):
     from tokenfuse.load import ensemble_from_members
 
     a, b = make_tiny("smollm2", seed=4, name="a"), make_tiny("qwen", seed=4, name="b")
     cfg = parse_config({"members": [{"name": "a", "source": "smollm2-135m-instruct", "score": 0.75},
                                     {"name": "b", "source": "qwen2.5-coder-0.5b-instruct"}]})
     ens = ensemble_from_members(cfg, [a, b])
-    assert [m.score for m in ens.members] == [0.75, None]
+    assert ens.scores == [0.75, None] and ens.weights == [1.0, 1.0] and ens.describe()["primary"] == "a"
+    assert not hasattr(a, "score") and not hasattr(b, "score")  # the members are not written

@@ -117,7 +117,7 @@ class TokenfuseLM(LM):
     # ------------------------------------------------------------------ helpers
     @property
     def weights(self) -> list[float]:
-        return [m.weight for m in self.ensemble.members]
+        return list(self.ensemble.weights)
 
     @staticmethod
     def _prefix(member) -> str:
@@ -134,8 +134,8 @@ class TokenfuseLM(LM):
 
     def _text_level(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         per_member = []
-        for m, single in zip(self.ensemble.members, self.singles):
-            if m.weight <= 0:
+        for m, w, single in zip(self.ensemble.members, self.weights, self.singles):
+            if w <= 0:
                 per_member.append([0.0] * len(pairs))
                 continue
             reqs = [(self._member_context(m, c), x) for c, x in pairs]

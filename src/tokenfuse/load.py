@@ -61,11 +61,11 @@ def ensemble_from_members(cfg: EnsembleConfig, members, *, union=None, progress:
     """The ``Ensemble`` a config describes, on already loaded members (in the config's order), with
     what its combiner needs built or loaded (e.g. DeePEn's relative matrices).
 
-    Each member's ``score`` becomes its config's (members built in memory, and the server's
-    re-weighted views of loaded members, get it here).
+    The ensemble's weights and scores are the member configs' (``weight``, ``score``); nothing is
+    written to the members, so the same loaded members may serve several ensembles.
     """
-    for m, mc in zip(members, cfg.members):
-        m.score = mc.score
-    ens = Ensemble(members, cfg.options, union=union, align_cache=cache_dir(cfg.cache_dir) / "alignment")
+    ens = Ensemble(members, cfg.options, weights=[mc.weight for mc in cfg.members],
+                   scores=[mc.score for mc in cfg.members], union=union,
+                   align_cache=cache_dir(cfg.cache_dir) / "alignment")
     ens.combiner.prepare(progress=progress)
     return ens

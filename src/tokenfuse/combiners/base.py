@@ -1,7 +1,7 @@
 """Combiner base class and registry: one small file per method, registered by name.
 
 A combiner is bound once to a ``Setup`` (the members' ``VocabSpace``, the members, the primary
-member) and then sees one step at a time through a ``StepView``: which members were computed for
+member, the ensemble's weights and scores of its members) and then sees one step at a time through a ``StepView``: which members were computed for
 which rows (sequences), their outputs (full log-probabilities, or only top-k for top-k combiners)
 and the vocabulary space. It returns a ``Dist``: probabilities over union entries, either dense
 (every union entry) or over a few candidate entries per row. The engine chooses from it.
@@ -74,16 +74,27 @@ class Setup:
 
     Attributes:
         space: the members' vocabularies aligned on exact bytes.
-        members: the members, in ``space.names`` order (their weights, ``score`` and, for DeePEn,
-            their input embeddings).
+        members: the members, in ``space.names`` order (for DeePEn, their input embeddings).
         primary: index of the primary member.
         cache_dir: where a combiner may cache what it builds (``None``: nothing on disk).
+        weights: the ensemble's weight of each member (``Ensemble.weights``; default: each member's
+            own default ``weight``).
+        scores: the ensemble's dev-set score of each member (``Ensemble.scores``, ``None``: unknown;
+            DeePEn-Adapt reads them; default: none known).
     """
 
     space: VocabSpace
     members: Sequence[Member]
     primary: int = 0
     cache_dir: Path | None = None
+    weights: Sequence[float] | None = None
+    scores: Sequence[float | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            object.__setattr__(self, "weights", [float(getattr(m, "weight", 1.0)) for m in self.members])
+        if self.scores is None:
+            object.__setattr__(self, "scores", [None] * len(self.members))
 
 
 def _untimed(_stage: str) -> AbstractContextManager:
@@ -99,7 +110,7 @@ class StepView:
         models: every member, in ensemble order (for ``token_logprobs``).
         states: per computed member, its ``SeqState`` of every row.
         computed: the computed members (indices into ``models``), in ensemble order.
-        weights: their raw weights.
+        weights: their raw weights (the ensemble's).
         logprobs: full ``float32[R, V_i]`` log-probabilities per member (``needs == "full"``); with
             ``needs == "bytes"`` each member's next-symbol distribution ``float64[R, 257]`` (natural
             logs of the bytes 0..255 and, at 256, the end: its byte-level view).

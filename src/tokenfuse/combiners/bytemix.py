@@ -129,7 +129,7 @@ class ByteMix(Combiner):
         with a state)."""
         p = self.params
         if p.mix == "product" or (p.mix == "mixture" and p.fit is None):
-            return None  # the members' own weights
+            return None  # the ensemble's weights of the members
         if p.mix == "switch" and p.alpha is not None:
             return Fitted(alpha=p.alpha)
         fit = load_fit(p.fit, names)
@@ -146,7 +146,7 @@ class ByteMix(Combiner):
     def new_mixer(self, weights: Sequence[float]) -> Mixer | None:
         """A sequence's mixer of the members with these (positive) weights, for ``switch`` and ``gate``,
         and ``mixture`` at a fit's weights (``None`` for ``mixture`` without a fit and ``product``, whose
-        weights are the members' own)."""
+        weights are the ensemble's)."""
         if self.fitted is None:
             return None
         w = np.asarray(weights, dtype=np.float64)

@@ -101,7 +101,7 @@ class Contrast(Combiner):
         super().bind(setup)
         self.expert = setup.primary
         expert = setup.members[self.expert]
-        if expert.weight <= 0:
+        if setup.weights[self.expert] <= 0:
             raise ConfigError(f"members.weight: contrast: the expert is the primary member {expert.name!r}, "
                               "which needs a positive weight (or set `primary` to a weighted member)")
         self.names = setup.space.names

@@ -118,8 +118,8 @@ class ByteDecider(Decider):
     ``Decider``'s loop, its members' outputs and choice those of bytes (module docstring)."""
 
     def __init__(self, members: Sequence[Member], space: VocabSpace, combiner: Combiner, pool: MemberPool,
-                 timer: StageTimer, options: EnsembleOptions, *, primary: int) -> None:
-        super().__init__(members, space, combiner, pool, timer, options, primary=primary)
+                 timer: StageTimer, options: EnsembleOptions, *, primary: int, weights: Sequence[float]) -> None:
+        super().__init__(members, space, combiner, pool, timer, options, primary=primary, weights=weights)
         self.tokens: dict[int, TokenBytes] = {}
 
     def table(self, i: int) -> TokenBytes:
@@ -146,8 +146,8 @@ class ByteDecider(Decider):
                 start = list(s.states[i].prompt_ids)
                 take = seq.readers.enter_context(self.members[i].reader(start, shared=False))
                 seq.states[i] = ByteModel(self.table(i), start, take, p.pruning)
-            seq.mixed = [i for i in self.computed() if self.members[i].weight > 0]
-            seq.mixer = self.combiner.new_mixer([self.members[i].weight for i in seq.mixed])
+            seq.mixed = [i for i in self.computed() if self.weights[i] > 0]
+            seq.mixer = self.combiner.new_mixer([self.weights[i] for i in seq.mixed])
         except BaseException:
             seq.readers.close()
             raise

@@ -36,10 +36,12 @@ from tokenfuse.members.base import Member
 
 
 def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[int], TokenBytes], pool: MemberPool,
-                       requests: Sequence[tuple[Prompt, str]], *, chat: bool = False) -> list[Likelihood]:
+                       requests: Sequence[tuple[Prompt, str]], *, chat: bool = False,
+                       weights: Sequence[float]) -> list[Likelihood]:
     """Each ``(context, continuation)``'s log-likelihood on bytes (the module docstring); ``combiner``: the
-    ``byte`` method's (``params``, ``new_mixer``), ``tables(i)``: member ``i``'s tokens by bytes."""
-    live = _live(members, combiner)
+    ``byte`` method's (``params``, ``new_mixer``), ``tables(i)``: member ``i``'s tokens by bytes,
+    ``weights``: the ensemble's weights of ``members``."""
+    live = _live(weights, combiner)
     texts = [(_context(ctx, chat), cont) for ctx, cont in requests]
     groups: dict[str, list[int]] = {}
     for k, (ctx, _) in enumerate(texts):
@@ -51,7 +53,7 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
         n_ctx = len(ctx.encode("utf-8"))
         for j, (k, cont) in enumerate(zip(ks, conts)):
             p = np.exp(np.stack([lps[i][j] for i in live], axis=1))
-            mixed = _mixer(members, combiner, live).logprobs(p)[n_ctx:]
+            mixed = _mixer(weights, combiner, live).logprobs(p)[n_ctx:]
             data = cont.encode("utf-8")
             out[k] = Likelihood(float(mixed.sum()), len(data), len(data), ensembled=len(data) if len(live) > 1 else 0,
                                 piece_logprobs=tuple(float(x) for x in mixed),
@@ -60,11 +62,12 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
 
 
 def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int], TokenBytes], pool: MemberPool,
-                      prompt: str, *, top: int = 0) -> list[tuple[int, float, np.ndarray | None]]:
+                      prompt: str, *, top: int = 0, weights: Sequence[float]) -> list[tuple[int, float, np.ndarray | None]]:
     """Each byte of ``prompt`` with its log-probability under the mixture given the bytes before it (the
     first given nothing: each member's byte model from its start ids), and with ``top`` the mixture's
-    257-way distribution there (each member's whole next distribution read for it)."""
-    live = _live(members, combiner)
+    257-way distribution there (each member's whole next distribution read for it); ``weights``: the
+    ensemble's weights of ``members``."""
+    live = _live(weights, combiner)
     data = prompt.encode("utf-8")
 
     def run(i: int) -> tuple[list[float], list[np.ndarray]]:
@@ -80,7 +83,7 @@ def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int
             return lps, dists
 
     got = pool.run(live, run)
-    mixer = _mixer(members, combiner, live)
+    mixer = _mixer(weights, combiner, live)
     out = []
     for t, b in enumerate(data):
         p = np.exp(np.array([got[i][0][t] for i in live]))
@@ -91,18 +94,18 @@ def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int
     return out
 
 
-def _live(members: Sequence[Member], combiner) -> list[int]:
+def _live(weights: Sequence[float], combiner) -> list[int]:
     """The members that score (a positive weight); ``product`` refused (it cannot score this way)."""
     if combiner.params.mix == "product":
         raise ConfigError("params.mix: product scores no bytes (its normaliser needs every member's whole next "
                           "distribution); score with mix mixture, switch or gate")
-    return [i for i, m in enumerate(members) if m.weight > 0]
+    return [i for i, w in enumerate(weights) if w > 0]
 
 
-def _mixer(members: Sequence[Member], combiner, live: list[int]) -> Mixer:
+def _mixer(weights: Sequence[float], combiner, live: list[int]) -> Mixer:
     """A text's mixer of the members ``live``: the combiner's (``switch``, ``gate``, a fit's mixture), else
     the mixture at their normalised weights."""
-    w = np.array([members[i].weight for i in live], dtype=np.float64)
+    w = np.array([weights[i] for i in live], dtype=np.float64)
     return combiner.new_mixer(list(w)) or Mixer("mixture", Fitted(weights=w / w.sum()), len(live))
 
 

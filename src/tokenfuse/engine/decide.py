@@ -58,11 +58,13 @@ SURE = math.log(0.5) + 1e-6  # a text id at least this likely holds more mass th
 
 
 class Decider:
-    """Decides one step for a batch of sequences (see the module docstring)."""
+    """Decides one step for a batch of sequences (see the module docstring); ``weights``: the
+    ensemble's weights of ``members`` (``Ensemble.weights``; members' own are never read)."""
 
     def __init__(self, members: Sequence[Member], space: VocabSpace, combiner: Combiner, pool: MemberPool,
-                 timer: StageTimer, options: EnsembleOptions, *, primary: int) -> None:
+                 timer: StageTimer, options: EnsembleOptions, *, primary: int, weights: Sequence[float]) -> None:
         self.members = list(members)
+        self.weights = list(weights)
         self.space = space
         self.combiner = combiner
         self.pool = pool
@@ -111,11 +113,11 @@ class Decider:
 
     def computed(self) -> list[int]:
         """Every member that may decide a row: the weighted ones and the gate."""
-        return sorted({i for i, m in enumerate(self.members) if m.weight > 0} | ({self.gate} if self.gate is not None else set()))
+        return sorted({i for i, w in enumerate(self.weights) if w > 0} | ({self.gate} if self.gate is not None else set()))
 
     def split(self, gate_out: MemberOutput | None, n: int) -> list[Group]:
         """``groups`` from the gate's output on ``n`` rows (``None`` without a gate)."""
-        weights = [m.weight for m in self.members]
+        weights = self.weights
         run = [i for i, w in enumerate(weights) if w > 0]
         if self.gate is None:
             return [(list(range(n)), run)]
@@ -146,7 +148,7 @@ class Decider:
         strategies' per-row log weight factors summed in their order; ``seqs`` (the rows' sequences)
         carry what strategies keep per sequence (PackLLM's prompt scores)."""
         view = StepView(space=self.space, models=self.members, states=states,
-                        computed=members, weights=[self.members[i].weight for i in members], stage=self.timer.stage)
+                        computed=members, weights=[self.weights[i] for i in members], stage=self.timer.stage)
         for i in members:
             o = outs[i].rows(pick)
             if o.logprobs is not None:

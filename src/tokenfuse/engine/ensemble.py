@@ -46,7 +46,7 @@ from tokenfuse.engine.speculative import Speculator
 from tokenfuse.engine.timer import StageTimer
 from tokenfuse.engine.trace import PromptPiece, TopEntry, Trace, TraceOptions, TraceStep, end_text, entry_text
 from tokenfuse.errors import ConfigError
-from tokenfuse.members.base import Member, reweighted
+from tokenfuse.members.base import Member
 
 
 _open: weakref.WeakSet[Ensemble] = weakref.WeakSet()  # every ensemble made, held weakly until exit
@@ -65,40 +65,55 @@ class Ensemble:
     """Members with different tokenizers generating as one model.
 
     Args:
-        members: the loaded members (their order fixes the order of ``member_ids`` only), each with
-            its weight.
+        members: the loaded members (their order fixes the order of ``member_ids`` only). The
+            ensemble never writes to them: the same member objects may serve several ensembles
+            (``variant``: the server's per-request ensembles, ``tokenfuse eval``'s rows).
         options: what the ensemble is (``EnsembleOptions``: method and parameters, primary, gate,
             agreement skip, window, scoring, threads, speculative decoding); keyword ``fields`` are a
             shorthand for ``EnsembleOptions(**fields)`` (or, with ``options``, ``options.replace``).
             Every member re-syncs from the output bytes, so no member's tokenization drives the loop;
-            the primary member (default: the highest ``score``, else the first) breaks greedy ties,
+            the primary member (default: the highest of ``scores``, else the first) breaks greedy ties,
             is the default gate of ``threshold`` and segments given text into steps (likelihood scoring).
+        weights: each member's weight before normalisation, in member order or ``{name: weight}``
+            (default, and for the names a mapping leaves out: the member's own default ``weight``,
+            given when it was built). ``self.weights`` holds them, fixed when the ensemble is made
+            (``variant`` for others); a weight of 0 keeps a member in sync without running it.
+        scores: each member's dev-set accuracy (as ``tokenfuse select`` writes it into a config;
+            ``None``: unknown), in member order: the default primary and DeePEn-Adapt read them.
+            ``self.scores`` holds them (default: none known).
         align_cache: directory for cached alignment tables (``None``: no disk cache).
         union: an already built union of these members' vocabularies (e.g. shared by a server's
             ensembles), else built or loaded.
     """
 
     def __init__(self, members: Sequence[Member], options: EnsembleOptions | None = None, *,
-                 align_cache: str | Path | None = None, union: UnionVocab | None = None, **fields: Any) -> None:
+                 weights: Sequence[float] | Mapping[str, float] | None = None,
+                 scores: Sequence[float | None] | None = None, align_cache: str | Path | None = None,
+                 union: UnionVocab | None = None, **fields: Any) -> None:
         if fields:
             try:
                 options = options.replace(**fields) if options is not None else EnsembleOptions(**fields)
             except ValidationError as err:
                 raise ConfigError(options_error(err)) from None
         self.options = options = options if options is not None else EnsembleOptions()
-        names = [m.name for m in members]
-        options.check_members(names, [m.weight for m in members])
         self.members = list(members)
+        names = [m.name for m in self.members]
+        self.weights: list[float] = member_weights(self.members, weights)
+        self.scores: list[float | None] = [None] * len(names) if scores is None else list(scores)
+        if len(self.scores) != len(names):
+            raise ConfigError(f"scores: {len(self.scores)} scores for {len(names)} members ({', '.join(names)})")
+        options.check_members(names, self.weights)
         self.combiner = get_combiner(options.method, **own_params(options))
-        self.primary = names.index(options.primary_of(names, [m.score for m in members]))
+        self.primary = names.index(options.primary_of(names, self.scores))
         self.align_cache = Path(align_cache) if align_cache is not None else None
         self.space = VocabSpace.build(names, [m.codec for m in members], union=union, cache=self.align_cache)
         self.timer = StageTimer()
         self.pool = MemberPool(self.members, parallel=options.parallel)
-        self.combiner.bind(Setup(self.space, self.members, self.primary, self.align_cache))
+        self.combiner.bind(Setup(self.space, self.members, self.primary, self.align_cache, weights=self.weights,
+                                 scores=self.scores))
         decider = DECIDERS.get(self.combiner.needs, Decider)
         self.decider = decider(self.members, self.space, self.combiner, self.pool, self.timer, options,
-                               primary=self.primary)
+                               primary=self.primary, weights=self.weights)
         spec = options.speculative
         rounds = self.decider.rounds is not None  # a strategy drafting in rounds (SAFE) runs on the speculator
         self.speculator = Speculator(self.decider, spec) if spec is not None or rounds else None
@@ -112,15 +127,16 @@ class Ensemble:
 
     def variant(self, options: EnsembleOptions | None = None, *,
                 weights: Sequence[float] | Mapping[str, float] | None = None, progress: bool = False) -> Ensemble:
-        """Another ensemble on these loaded members and this union: ``options`` (default: these),
-        the members seen with ``weights`` (in member order, or ``{name: weight}`` with the others
-        kept; ``members.base.Reweighted``, so sequences and caches stay the members' own), its
-        combiner prepared (``Combiner.prepare``)."""
+        """Another ensemble on these same member objects and this union (sequences and caches stay the
+        members' own): ``options`` (default: these), ``weights`` (in member order, or
+        ``{name: weight}`` with the others kept; default: these), these ``scores``, its combiner
+        prepared (``Combiner.prepare``). Nothing of the members is written: this ensemble keeps its
+        own weights."""
         if isinstance(weights, Mapping):
-            weights = [weights.get(m.name, m.weight) for m in self.members]
-        members = self.members if weights is None else [reweighted(m, w) for m, w in zip(self.members, weights)]
-        ens = Ensemble(members, options if options is not None else self.options, align_cache=self.align_cache,
-                       union=self.union)
+            weights = member_weights(self.members, weights, defaults=self.weights)
+        ens = Ensemble(self.members, options if options is not None else self.options,
+                       weights=self.weights if weights is None else weights, scores=self.scores,
+                       align_cache=self.align_cache, union=self.union)
         ens.combiner.prepare(progress=progress)
         return ens
 
@@ -129,8 +145,8 @@ class Ensemble:
         ``/v1/models``, eval headers). Names, not indices; ``primary`` and the drafter resolved."""
         o = self.options
         return {
-            "members": [{"name": m.name, "weight": m.weight, **({"score": m.score} if m.score is not None else {})}
-                        for m in self.members],
+            "members": [{"name": m.name, "weight": w, **({"score": s} if s is not None else {})}
+                        for m, w, s in zip(self.members, self.weights, self.scores)],
             "method": o.method, "params": dict(o.params), "primary": self.members[self.primary].name,
             "agreement_skip": o.agreement_skip, "gate": o.gate, "threshold": o.threshold, "window": o.window,
             "scoring": o.scoring, "parallel": o.parallel,
@@ -273,7 +289,7 @@ class Ensemble:
             end = end_text(self.members[self.primary])
             return [PromptPiece(bytes([b]), lp, top_entries(dist, top, end) if dist is not None else ())
                     for b, lp, dist in byte_score_prompt(self.members, self.combiner, self.decider.table, self.pool,
-                                                         prompt, top=top)]
+                                                         prompt, top=top, weights=self.weights)]
         self._scores_pieces()
         codec = self.space.codecs[self.primary]
         ids = codec.encode_text(prompt)
@@ -309,7 +325,8 @@ class Ensemble:
         ``memo`` (a ``RowMemo``) shares the members' rows with other scorings of the same requests,
         e.g. by other ensembles on the same loaded members."""
         if self.combiner.needs == "bytes":  # the byte method scores bytes (engine/bytescore.py)
-            return byte_loglikelihood(self.members, self.combiner, self.decider.table, self.pool, requests, chat=chat)
+            return byte_loglikelihood(self.members, self.combiner, self.decider.table, self.pool, requests, chat=chat,
+                                      weights=self.weights)
         if stepwise is None:
             stepwise = self.options.scoring == "stepwise"
         return self._score(requests, chat=chat, stepwise=stepwise, memo=memo)
@@ -338,7 +355,7 @@ class Ensemble:
         """Free every member's model and caches now (llama.cpp contexts and models, a transformers
         model, a remote member's client, a Ray actor); safe to call twice. Using the ensemble
         afterwards raises ``TokenfuseError``. Members shared with other ensembles (the server's
-        per-request ensembles, ``Reweighted`` views) are unloaded for those too; a model several
+        per-request ensembles, ``variant``s) are unloaded for those too; a model several
         members share (a self-ensemble) is freed once, with the last of them."""
         self.pool.shutdown()
         for m in self.members:
@@ -349,3 +366,23 @@ class Ensemble:
 
     def __exit__(self, *exc: object) -> None:
         self.unload()
+
+
+def member_weights(members: Sequence[Member], weights: Sequence[float] | Mapping[str, float] | None, *,
+                   defaults: Sequence[float] | None = None) -> list[float]:
+    """Every member's weight from a list in member order or a ``{name: weight}`` mapping; a member
+    the mapping leaves out (all, for ``None``) keeps its default: ``defaults``' entry, else its own
+    constructor-given ``weight``. ``ConfigError`` for a list of the wrong length or an unknown name."""
+    names = [m.name for m in members]
+    defaults = [float(getattr(m, "weight", 1.0)) for m in members] if defaults is None else list(defaults)
+    if weights is None:
+        return defaults
+    if isinstance(weights, Mapping):
+        bad = [n for n in weights if n not in names]
+        if bad:
+            raise ConfigError(f"weights: {', '.join(map(repr, bad))} not a member (members: {', '.join(names)})")
+        return [float(weights.get(n, d)) for n, d in zip(names, defaults)]
+    weights = [float(w) for w in weights]
+    if len(weights) != len(names):
+        raise ConfigError(f"weights: {len(weights)} weights for {len(names)} members ({', '.join(names)})")
+    return weights

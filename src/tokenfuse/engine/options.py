@@ -8,7 +8,8 @@ the value is made (pydantic validation); the rules that need the members' names
 (``check_members``) are checked by the ``Ensemble``, and by a config, which knows its members,
 before the rest. ``replace`` is the one
 override rule (a different method clears the parameters; parameters merge key by key). Members'
-weights belong to the members (their config, or ``Ensemble.variant(weights=...)``).
+weights and scores are the ensemble's (``Ensemble(weights=..., scores=...)``: their config's, or
+``Ensemble.variant(weights=...)``), never written to the members.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def task_fit(base, task, out: Path, seed: int, log: Callable[[str], None], items
     clozes = [task.cloze(it) for it in dev]
     log(f"dev {task.name}: fitting the byte rows on the gold options of {len(dev)} dev items")
     pruning = ByteParams().pruning
-    live = [m for m in base.members if m.weight > 0]
+    live = [m for m, w in zip(base.members, base.weights) if w > 0]
     tables = {m.name: TokenBytes(m.codec.token_bytes) for m in live}
     lps = {m.name: [member_byte_logprobs(m, tables[m.name], pruning, c.context, [c.continuations[c.gold]])[0]
                     for c in clozes] for m in live}

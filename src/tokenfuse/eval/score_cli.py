@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = EnsembleConfig.from_args(args)
     ens = load_ensemble(cfg, progress=not args.json)
     names = [m.name for m in ens.members]
-    w = np.array([m.weight for m in ens.members], dtype=np.float64)
+    w = np.array(ens.weights, dtype=np.float64)
     members = [Rows.from_member(m) for m in ens.members]
     if args.bytes:
         from tokenfuse.eval import text_bytes

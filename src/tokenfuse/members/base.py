@@ -36,10 +36,11 @@ class Member(ABC):
     Attributes:
         name: the member's name (unique in an ensemble).
         codec: exact bytes of its vocabulary and its bytes -> ids encoder.
-        weight: its ensemble weight before normalisation.
+        weight: its default ensemble weight (before normalisation), given at construction and never
+            written afterwards: an ``Ensemble`` built without ``weights`` takes it. The weights an
+            ensemble decides with are the ensemble's own (``Ensemble.weights``), as are the members'
+            dev-set scores (``Ensemble.scores``), so one loaded member can serve several ensembles.
         tokenizer: the Hugging Face tokenizer (chat template, prompt encoding).
-        score: its dev-set accuracy from its config (as ``tokenfuse select`` writes it; DeePEn-Adapt
-            reads it), ``None`` when unknown.
         context_length: its context in its own tokens (``None``: unknown, not checked).
         load_seconds: time it took to load.
         weight_bytes: the size of its weights in this process, in bytes (``None``: unknown); the
@@ -48,9 +49,8 @@ class Member(ABC):
 
     name: str
     codec: ByteCodec
-    weight: float
+    weight: float = 1.0
     tokenizer: Any
-    score: float | None = None
     context_length: int | None = None
     load_seconds: float = 0.0
     in_process: bool = False  # its weights are in this process (``LocalMember``): logits at any position, cores to share
@@ -153,7 +153,7 @@ class Member(ABC):
         """Free its model and every sequence's cache now, not whenever the garbage collector (or the
         interpreter's exit) gets to them; safe to call twice. Using the member afterwards raises
         ``TokenfuseError``. A model shared with other members (a self-ensemble's copies) is freed with
-        the last of them; a ``Reweighted`` view unloads the member it shows."""
+        the last of them."""
         if not self.unloaded:
             self.unloaded = True
             self._unload()
@@ -329,20 +329,3 @@ class Shared:
         if self.users == 0:
             self._free()
 
-
-class Reweighted:
-    """A member seen with another weight: everything else (model, caches, codec, name) is the member's
-    own, so sequences can move between ensembles that differ only in weights (the server's per-request
-    weights, ``tokenfuse eval``'s ``auto`` candidates)."""
-
-    def __init__(self, member: Any, weight: float) -> None:
-        self.member = member.member if isinstance(member, Reweighted) else member
-        self.weight = float(weight)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.member, name)
-
-
-def reweighted(member: Any, weight: float) -> Any:
-    """``member`` with ``weight``: itself when its weight is that already, else a ``Reweighted`` view."""
-    return member if float(weight) == member.weight else Reweighted(member, weight)

@@ -50,11 +50,9 @@ def check_source(cfg: MemberConfig, index: int = 0) -> None:
 
 
 def load_member(cfg: MemberConfig, *, root: Path | None = None, progress: bool = True, index: int = 0) -> Member:
-    """Load one member (a bundled name is converted into the cache on first use); its ``score`` is
-    the config's."""
-    member = _load(cfg, root=cache_dir(root), progress=progress, index=index)
-    member.score = cfg.score
-    return member
+    """Load one member (a bundled name is converted into the cache on first use); its default
+    ``weight`` is the config's (the config's ``score`` is the ensemble's: ``load.ensemble_from_members``)."""
+    return _load(cfg, root=cache_dir(root), progress=progress, index=index)
 
 
 # what a member's own copy may differ in from the member whose loaded model it shares
@@ -71,7 +69,7 @@ def shared_with(cfgs: Sequence[MemberConfig]) -> list[int]:
 
 
 def share_member(first: Member, cfg: MemberConfig, *, root: Path | None = None, index: int = 0) -> Member:
-    """A member named ``cfg.name`` (its weight and score) running ``first``'s loaded model: the
+    """A member named ``cfg.name`` (its default weight ``cfg.weight``) running ``first``'s loaded model: the
     weights (a transformers model object, a llama.cpp model) and tokenizer are shared, each
     sequence keeps its own cache. Other backends load it again."""
     from tokenfuse.members.llamacpp import LlamaCppMember
@@ -79,14 +77,11 @@ def share_member(first: Member, cfg: MemberConfig, *, root: Path | None = None, 
 
     root = cache_dir(root)
     if isinstance(first, TransformersMember):
-        member = TransformersMember(cfg.name, first.model, first.tokenizer, weight=cfg.weight,
-                                    align_cache=root / "alignment", batched=first.batched)
-    elif isinstance(first, LlamaCppMember):
-        member = LlamaCppMember.sharing(first, cfg.name, weight=cfg.weight)
-    else:
-        member = _load(cfg, root=root, progress=False, index=index)
-    member.score = cfg.score
-    return member
+        return TransformersMember(cfg.name, first.model, first.tokenizer, weight=cfg.weight,
+                                  align_cache=root / "alignment", batched=first.batched)
+    if isinstance(first, LlamaCppMember):
+        return LlamaCppMember.sharing(first, cfg.name, weight=cfg.weight)
+    return _load(cfg, root=root, progress=False, index=index)
 
 
 def _load(cfg: MemberConfig, *, root: Path, progress: bool, index: int) -> Member:

@@ -59,10 +59,10 @@ class MemberActor:
         self.states: dict[int, SeqState] = {}
 
     def info(self) -> dict:
-        """What the driver side keeps locally: the member's name, weight, score, codec, tokenizer,
+        """What the driver side keeps locally: the member's name, default weight, codec, tokenizer,
         context length and load time."""
         m = self.member
-        return {"name": m.name, "weight": m.weight, "score": m.score, "codec": m.codec, "tokenizer": m.tokenizer,
+        return {"name": m.name, "weight": m.weight, "codec": m.codec, "tokenizer": m.tokenizer,
                 "context_length": m.context_length, "load_seconds": m.load_seconds}
 
     def _sync(self, updates: list[tuple[int, list[int] | None, int, list[int]]]) -> list[SeqState]:
@@ -117,7 +117,6 @@ class RayMember(Member):
         self.actor = actor
         self.name = info["name"]
         self.weight = float(info["weight"])
-        self.score = info["score"]
         self.codec = info["codec"]
         self.tokenizer = info["tokenizer"]
         self.context_length = info["context_length"]

@@ -16,7 +16,8 @@ from tokenfuse.errors import ConfigError
 def config_of(ens: Ensemble) -> EnsembleConfig:
     """A config describing an already built ensemble (for servers built on in-memory members)."""
     return parse_config({**ens.options.model_dump(), "primary": ens.members[ens.primary].name,
-                         "members": [{"name": m.name, "weight": m.weight, "score": m.score} for m in ens.members]},
+                         "members": [{"name": m.name, "weight": w, "score": s}
+                                     for m, w, s in zip(ens.members, ens.weights, ens.scores)]},
                         origin="ensemble")
 
 

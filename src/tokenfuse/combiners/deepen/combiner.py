@@ -7,10 +7,11 @@ deviations from the paper) lives in ``tokenfuse.combiners.deepen.relative``; thi
   vocabulary the choice is made in; the fused main log-probabilities become a distribution over the
   union entries of its text/END ids (entries some member cannot hold are excluded), so greedy
   picks the main member's argmax after the inverse transformation and sampling draws from it;
-- weights: DeePEn-Avg uses the member weights (equal by default); DeePEn-Adapt (§3.5) with
+- weights: DeePEn-Avg uses the ensemble's member weights (equal by default); DeePEn-Adapt (§3.5) with
   ``accuracies: {member: dev accuracy}`` and ``n_choices`` (``K`` for K-choice tasks, omitted for
   free-form) replaces them with ``α_i ∝ acc_i − 1/K``; ``adapt: true`` takes the accuracies from the
-  members' ``score`` (as written by ``tokenfuse select``);
+  ensemble's member scores (``Setup.scores``: each member config's ``score``, as written by
+  ``tokenfuse select``);
 - agreement skip is not exact here (the inverse transformation can move the main member away from
   a token every member ranks first), so it is off by default.
 
@@ -79,10 +80,10 @@ class DeePEnCombiner(Combiner):
         if self.main_name is not None and self.main_name not in names:
             raise ConfigError(f"params.main: {self.main_name!r} is not a member (members: {', '.join(names)})")
         self.main = names.index(self.main_name) if self.main_name is not None else setup.primary
-        if members[self.main].weight <= 0:
+        if setup.weights[self.main] <= 0:
             raise ConfigError(f"params.main: the main member {names[self.main]!r} needs weight > 0")
         if self.adapt and self.accuracies is None:
-            self.accuracies = {m.name: m.score for m in members}
+            self.accuracies = dict(zip(names, setup.scores))
             missing = [k for k, v in self.accuracies.items() if v is None]
             if missing:
                 raise ConfigError(f"params.adapt: members without a `score` (dev accuracy): {', '.join(missing)}")

@@ -48,7 +48,7 @@ class PromptWeights(Strategy):
         if not fresh:
             return
         d = self.decider
-        weighted = [i for i, m in enumerate(d.members) if m.weight > 0]
+        weighted = [i for i, w in enumerate(d.weights) if w > 0]
         with d.timer.stage("forward"):
             got = d.pool.run(weighted, lambda i: [prompt_logprob_per_byte(d.members[i], s.states[i],
                                                                           last_bytes=self.params.prompt_bytes)

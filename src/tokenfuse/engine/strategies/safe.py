@@ -105,7 +105,7 @@ class Safe(Strategy):
         names = decider.space.names
         _check_drafter(self.options, names[decider.primary])
         gate = [names.index(self.options.gate)] if self.options.gate is not None else []
-        deciding = {i for i, m in enumerate(decider.members) if m.weight > 0} | {decider.primary, *gate}
+        deciding = {i for i, w in enumerate(decider.weights) if w > 0} | {decider.primary, *gate}
         away = [names[i] for i in sorted(deciding) if not decider.members[i].in_process]
         if away:
             raise ConfigError(f"params.safe: SAFE verifies each drafted chunk in one forward per member; "
