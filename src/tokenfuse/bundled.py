@@ -134,6 +134,16 @@ class BundledModel:
             sizes["converted"] = converted
         return sizes
 
+    def to_build(self, root: Path | None, *, model: bool) -> tuple[Path, Path | None]:
+        """Its cache directory under ``root`` (default: the cache) and, where what is asked for (the
+        tokenizer, and with ``model`` the model) is not cached yet, the GGUF to build it from (``None``:
+        cached). Raises ``ModelNotInstalledError`` when it must be built and is not installed."""
+        root = cache_dir(root)
+        if self.is_cached(root, model=model):
+            return self.model_dir(root), None
+        self.require()
+        return self.model_dir(root), self.gguf_path(root)
+
     def is_cached(self, root: Path, *, model: bool = True) -> bool:
         """Whether the tokenizer (current ``TOKENIZER_VERSION``) and, with ``model``, the model are cached."""
         d = self.model_dir(root)
@@ -185,11 +195,9 @@ def ensure_converted(name: str, *, root: Path | None = None, model: bool = True,
     """
     entry = BUNDLED[name]
     root = cache_dir(root)
-    out = entry.model_dir(root)
-    if entry.is_cached(root, model=model):
+    out, gguf = entry.to_build(root, model=model)
+    if gguf is None:
         return out
-    entry.require()
-    gguf = entry.gguf_path(root)
     out.mkdir(parents=True, exist_ok=True)
     # One conversion at a time per model across processes (two tokenfuse processes, or test workers, on
     # a fresh cache): the second waits, then finds the first one's files.

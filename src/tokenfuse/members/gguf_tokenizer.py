@@ -41,7 +41,6 @@ from tokenfuse.bundled import BUNDLED, mark_tokenizer
 from tokenfuse.errors import ModelLoadError
 from tokenfuse.members.codec import byte_decoder
 from tokenfuse.members.gguf_file import read_gguf_metadata
-from tokenfuse.paths import cache_dir
 from tokenfuse.progress import progress_bar
 
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType values
@@ -295,13 +294,9 @@ def ensure_tokenizer(name: str, *, root: str | os.PathLike | None = None, progre
     about a second instead of half a minute. ``progress``: the build is one step of
     ``tokenfuse.progress.progress_bar`` (a bar on a terminal, else one line when done).
     """
-    entry = BUNDLED[name]
-    root = cache_dir(root)
-    out = entry.model_dir(root)
-    if entry.is_cached(root, model=False):
+    out, gguf = BUNDLED[name].to_build(root, model=False)
+    if gguf is None:
         return out
-    entry.require()
-    gguf = entry.gguf_path(root)
     with progress_bar(total=1, desc=f"building the {name} tokenizer", unit="step", enabled=progress) as bar:
         seconds = write_tokenizer(gguf, out)
         bar.update(1)
