@@ -115,9 +115,9 @@ def test_k_adapts_to_what_is_accepted(members, align_cache):
     spec = speculative(members, align_cache, "gac", draft="B", k=6)
     s = spec.open("The weather today", max_new_tokens=30)
     while s.finished is None:
-        before = s.accepted
+        before = s.counts.accepted
         spec.step([s])
-        assert s.draft_k == max(1, min(6, s.accepted - before + 1))
+        assert s.draft_k == max(1, min(6, s.counts.accepted - before + 1))
     spec.close(s)
     fixed = speculative(members, align_cache, "gac", draft="B", k=2, adapt=False)
     g = fixed.generate("The weather today", max_new_tokens=30)

@@ -15,6 +15,7 @@ import tokenfuse.load
 from tokenfuse.cli import main
 from tokenfuse.engine import Ensemble
 from tokenfuse.engine import decide as decide_module
+from tokenfuse.engine.flags import StepFlags
 from tokenfuse.engine.trace import StepRecord, Trace, TraceOptions, end_text
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
@@ -172,7 +173,7 @@ def test_end_is_a_step_with_the_end_token(make_tiny, align_cache, monkeypatch):
 
 def test_split_characters_go_with_the_step_that_completes_them():
     def rec(token: str) -> StepRecord:
-        return StepRecord(token=token, end=False, prob=0.5, top=(), gated=False, ensembled=True, skipped=False)
+        return StepRecord(token=token, end=False, prob=0.5, top=(), flags=StepFlags(gated=False, ensembled=True, skipped=False))
 
     out = "aé€b".encode()  # a | é split 1+1 | € split 2+1 | b
     spans = [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6), (6, 7)]

@@ -79,8 +79,8 @@ def _decode_sample(ens: Ensemble, prompt: str, max_new_tokens: int, trace: Trace
     if n == 0:
         return None
     stages = {k: 1000 * v / n for k, v in ens.timer.since(before, wall).items() if k in STAGE_KEYS}
-    return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.ensembled, "skip": s.skipped, "drafted": s.drafted,
-            "accepted": s.accepted, "output": bytes(s.output), **stages}
+    return {"ms": 1000 * wall / n, "steps": s.steps, "ens": s.counts.ensembled, "skip": s.counts.skipped,
+            "drafted": s.counts.drafted, "accepted": s.counts.accepted, "output": bytes(s.output), **stages}
 
 
 def decode_ms_per_token(ens: Ensemble, prompts, max_new_tokens: int, *, rounds: int = 1) -> float:

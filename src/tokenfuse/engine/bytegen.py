@@ -50,6 +50,7 @@ from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Combiner, Dist, StepView
 from tokenfuse.combiners.mixers import Mixer
 from tokenfuse.engine.decide import Decider
+from tokenfuse.engine.flags import StepFlags
 from tokenfuse.engine.options import EnsembleOptions
 from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import Sampling, sampled_probs
@@ -216,7 +217,7 @@ class ByteDecider(Decider):
                 MemberStep(m.name, True, True, float(np.exp(dists[i][sym])), top_entries(np.exp(dists[i]), k, end))
                 if i in dists else MemberStep(m.name, False, False) for i, m in enumerate(self.members))
         rec = StepRecord(token=_symbol_text(sym, end), end=sym == END_SYMBOL, prob=float(q[sym]), top=top_entries(q, k, end),
-                         gated=False, ensembled=len(dists) > 1, skipped=False, members=members)
+                         flags=StepFlags(ensembled=len(dists) > 1), members=members)
         return replace(d, trace=rec)
 
 

@@ -44,6 +44,7 @@ import torch
 
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.combiners.base import Combiner, Dist, StepView
+from tokenfuse.engine.flags import StepFlags
 from tokenfuse.engine.options import EnsembleOptions
 from tokenfuse.engine.pool import MemberOutput, MemberPool
 from tokenfuse.engine.sampling import choose
@@ -209,7 +210,7 @@ class Decider:
                 todo = [r for r, u in enumerate(agreed) if u < 0]
                 for r, u in enumerate(agreed):
                     if u >= 0:
-                        result[r] = Decision(u, ens, skipped=ens, gated=gated)
+                        result[r] = Decision(u, StepFlags(ensembled=ens, skipped=ens, gated=gated))
         combined = list(range(len(seqs))) if traced else todo
         if combined:
             view = self.view([seqs[r] for r in combined], members, outs,
@@ -224,9 +225,9 @@ class Decider:
                 chosen = {r: e for (_, r), e in zip(undecided, picks)}
                 revised = set().union(*(st.revise(seqs, members, outs, chosen) for st in self.strategies))
                 for r, e in chosen.items():
-                    result[r] = Decision(e, ens, gated=gated, vetoed=r in revised)
+                    result[r] = Decision(e, StepFlags(ensembled=ens, gated=gated, vetoed=r in revised))
         for r, e in (keep or {}).items():
-            result[r] = Decision(e, False)
+            result[r] = Decision(e)
         if combined and traced:  # (untimed: a trace's own cost shows as "other")
             for j, r in enumerate(combined):
                 if seqs[r].trace is not None:
@@ -253,7 +254,7 @@ class Decider:
 
     def _traced(self, d: Decision, dist: Dist, j: int, outs: dict[int, MemberOutput], r: int, s: OpenSequence) -> Decision:
         rec = record_step(self.space, self.members, self.primary, s.trace.options, d.entry, dist, j, outs, r, s.states,
-                          gated=d.gated, ensembled=d.ensembled, skipped=d.skipped)
+                          flags=d.flags)
         return replace(d, trace=rec)
 
     def _skip_enabled(self, seqs: list[OpenSequence], members: list[int]) -> bool:

@@ -10,12 +10,14 @@ out as trace steps instead (``take_steps``), under the same rules.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
 
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
+from tokenfuse.engine.flags import Flagged, StepCounts, StepFlags
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sync import append_token, in_step, incomplete_tail, resync
 from tokenfuse.engine.trace import StepRecord, Trace, TraceStep
@@ -23,39 +25,30 @@ from tokenfuse.members.base import SeqState, StateSnapshot
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(Flagged):
     """The chosen union entry of one step and how it was reached.
 
     Attributes:
         entry: the chosen union entry (``END`` = 0, else a piece of bytes).
-        ensembled: more than one member was computed for the step (in drafted rounds, SAFE: the
-            strategy triggered the ensemble's decision here).
-        skipped: ensembled, but every computed member ranked ``entry`` first, so alignment and
-            combination were skipped (agreement skip).
-        gated: thresholded mode: the gate member alone decided (its top probability was above the
-            threshold).
-        vetoed: a strategy revised the combination's choice (selective ensembling's boundary rule).
+        flags: how it was decided (``StepFlags``: ensembled, agreement skip, gated, vetoed; also read
+            as ``d.ensembled``, ...); none set: a member alone, e.g. a drafted piece taken as it is.
         trace: what the step looked like, for a traced sequence only (``None`` otherwise).
     """
 
     entry: int
-    ensembled: bool
-    skipped: bool = False
-    gated: bool = False
-    vetoed: bool = False
+    flags: StepFlags = field(default_factory=StepFlags)
     trace: StepRecord | None = None
 
 
 @dataclass(frozen=True)
-class StepEvent:
-    """What one step did to one sequence: ``piece`` was appended (empty for END)."""
+class StepEvent(Flagged):
+    """What one step did to one sequence: ``piece`` was appended (empty for END), decided as ``flags``
+    (the decision's ``StepFlags``; ``ev.ensembled``, ``ev.skipped``, ``ev.gated``, ... read them)."""
 
     index: int
     piece: bytes
-    ensembled: bool
+    flags: StepFlags
     finished: str | None  # None while running, else "end" | "stop" | "length"
-    skipped: bool = False  # the computed members agreed: no alignment / combination was needed
-    gated: bool = False  # thresholded mode: the gate member alone decided
 
 
 @dataclass(frozen=True)
@@ -66,6 +59,11 @@ class Generation:
         text: the output decoded as UTF-8 (invalid bytes, if a model produced any, replaced).
         output: the exact output bytes.
         steps: chosen pieces (END not counted).
+        finish_reason: ``end`` (END chosen), ``stop`` (a stop string, trimmed) or ``length``.
+        member_ids: each member's output ids at the end (they decode to ``output``).
+        timings: seconds per stage for the whole call (shared by a batch).
+        counts: the steps counted by how they were decided, and the speculative rounds' pieces
+            (``StepCounts``), also read one by one:
         ensembled_steps: steps where more than one member was computed (not the gate alone; with
             ``params.safe``: the positions SAFE triggered, the ensemble deciding them).
         skipped_steps: ensembled steps decided by agreement skip (every computed member's most
@@ -74,9 +72,6 @@ class Generation:
             piece instead of the combination's (``params.select``).
         drafted, accepted: speculative decoding (``tokenfuse.engine.speculative``): pieces the
             drafter proposed and how many of them the ensemble chose (0 and 0 without it).
-        finish_reason: ``end`` (END chosen), ``stop`` (a stop string, trimmed) or ``length``.
-        member_ids: each member's output ids at the end (they decode to ``output``).
-        timings: seconds per stage for the whole call (shared by a batch).
         trace: with ``trace=True``, every step (``tokenfuse.engine.trace``); their texts
             concatenate to ``text``. ``None`` otherwise.
     """
@@ -84,15 +79,16 @@ class Generation:
     text: str
     output: bytes
     steps: int
-    ensembled_steps: int
     finish_reason: str
     member_ids: dict[str, list[int]]
     timings: dict[str, float] = field(default_factory=dict)
-    skipped_steps: int = 0
+    counts: StepCounts = field(default_factory=StepCounts)
     trace: tuple[TraceStep, ...] | None = None
-    vetoed_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    ensembled_steps = property(attrgetter("counts.ensembled"))
+    skipped_steps = property(attrgetter("counts.skipped"))
+    vetoed_steps = property(attrgetter("counts.vetoed"))
+    drafted = property(attrgetter("counts.drafted"))
+    accepted = property(attrgetter("counts.accepted"))
 
 
 @dataclass(frozen=True)
@@ -116,17 +112,17 @@ class OpenSequence:
         window: re-sync look-behind, in member tokens.
         sampling, stops, max_new_tokens: its decoding options (stops as UTF-8 bytes).
         generator: its own seeded random generator (``None`` for greedy decoding).
-        output: the output bytes so far; ``steps`` chosen pieces, ``ensembled``/``skipped`` of them
-            ensembled / decided by agreement skip.
+        output: the output bytes so far; ``steps`` chosen pieces.
+        counts: its steps counted by how they were decided (``StepCounts``: ensembled, agreement
+            skip, vetoed by a strategy) and speculative decoding's pieces drafted and accepted
+            (``record_round``); ``result`` hands them on.
         finished: ``None`` while running, else ``end``, ``stop``, ``length`` or ``cancelled``.
         trace: the step trace of a traced sequence (``None``: not traced, nothing recorded).
         notes: what the step decision keeps per sequence: its strategies' by strategy name (e.g. PackLLM's
             prompt scores, ``tokenfuse.engine.strategies.prompt``), the ``byte`` method's byte states
             (``tokenfuse.engine.bytegen.NOTE``).
-        vetoed: steps whose decision a strategy revised (``Decision.vetoed``: selective ensembling's
-            boundary rule took the primary's piece).
-        drafted, accepted, draft_k: speculative decoding's pieces proposed, chosen, and the number
-            the next round drafts (0: the configured ``k``); ``record_round`` updates them.
+        draft_k: the number of pieces speculative decoding's next round drafts (0: the configured
+            ``k``); ``record_round`` updates it.
     """
 
     index: int
@@ -139,14 +135,10 @@ class OpenSequence:
     generator: torch.Generator | None
     output: bytearray = field(default_factory=bytearray)
     steps: int = 0
-    ensembled: int = 0
-    skipped: int = 0
+    counts: StepCounts = field(default_factory=StepCounts)
     finished: str | None = None
     trace: Trace | None = None
     notes: dict[str, Any] = field(default_factory=dict)
-    vetoed: int = 0
-    drafted: int = 0
-    accepted: int = 0
     draft_k: int = 0
     _emitted: int = 0
 
@@ -155,7 +147,7 @@ class OpenSequence:
         """Append ``d``'s piece (or finish on END), check stops and the limit, re-sync the members."""
         before = len(self.output)
         piece = self.space.piece(d.entry) if d.entry != END else b""
-        self.vetoed += d.vetoed
+        self.counts = self.counts.step(d.flags, piece=d.entry != END)
         if self.trace is not None and d.trace is not None:
             self.trace.add(d.trace, before, before + len(piece))
         if d.entry == END:
@@ -163,8 +155,6 @@ class OpenSequence:
         else:
             self.output += piece
             self.steps += 1
-            self.ensembled += d.ensembled  # like ``steps``, END is not counted
-            self.skipped += d.skipped
             if (cut := find_stop(self.output, self.stops, before)) is not None:
                 del self.output[cut:]
                 self.finished = "stop"
@@ -177,7 +167,7 @@ class OpenSequence:
         elif self.finished == "stop":
             self._resync_trimmed()
         out_piece = piece if self.finished != "stop" else bytes(self.output[before:])
-        return StepEvent(self.index, out_piece, d.ensembled, self.finished, d.skipped, d.gated)
+        return StepEvent(self.index, out_piece, d.flags, self.finished)
 
     def force(self, entry: int) -> None:
         """Append a *given* piece (teacher forcing) and re-sync; no stop or limit applies."""
@@ -189,8 +179,7 @@ class OpenSequence:
     def record_round(self, drafted: int, accepted: int, next_k: int | None) -> None:
         """A speculative round's counts: pieces drafted and accepted, and what the next round drafts
         (``None``: unchanged)."""
-        self.drafted += drafted
-        self.accepted += accepted
+        self.counts = self.counts.round(drafted, accepted)
         if next_k is not None:
             self.draft_k = next_k
 
@@ -240,15 +229,11 @@ class OpenSequence:
             text=out.decode("utf-8", errors="replace"),
             output=out,
             steps=self.steps,
-            ensembled_steps=self.ensembled,
             finish_reason=self.finished or "length",
             member_ids={name: list(st.ids) for name, st in zip(self.space.names, self.states)},
             timings=timings or {},
-            skipped_steps=self.skipped,
+            counts=self.counts,
             trace=tuple(self.trace.steps) if self.trace is not None else None,
-            vetoed_steps=self.vetoed,
-            drafted=self.drafted,
-            accepted=self.accepted,
         )
 
     # ------------------------------------------------------------------ members

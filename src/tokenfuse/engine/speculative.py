@@ -212,7 +212,7 @@ class Speculator:
             elif s.trace is not None:  # combined for the record only
                 (decision,) = self.decider.decide_given([s], outs, keep=[draft])
             else:
-                decision = Decision(draft, False)
+                decision = Decision(draft)
             with self.decider.timer.stage("resync"):
                 events.append(s.apply(decision))
             accepted += decision.entry == draft

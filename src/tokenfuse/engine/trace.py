@@ -2,10 +2,10 @@
 
 Per step: the chosen piece (its text and exact bytes), the probability the combined distribution
 gave it, that distribution's most likely pieces, each member's own top-k tokens and whether it
-holds the chosen piece as one token, and how the step was decided (gated / ensembled / agreement
-skip; ``speculative`` is always false: traced sequences are decoded plainly, except in SAFE's
-drafted rounds, where every position is combined for its record and ``ensembled`` says whether SAFE
-triggered there).
+holds the chosen piece as one token, and how the step was decided (its ``StepFlags``: gated /
+ensembled / agreement skip; ``speculative`` is always false: traced sequences are decoded plainly,
+except in SAFE's drafted rounds, where every position is combined for its record and ``ensembled``
+says whether SAFE triggered there).
 
 Zero cost when off: a sequence opened without ``trace`` has ``OpenSequence.trace is None`` and the
 decider computes nothing extra for it. When on, a step additionally combines the members even
@@ -61,6 +61,7 @@ import torch
 from tokenfuse.alignment.space import VocabSpace
 from tokenfuse.alignment.union import END
 from tokenfuse.combiners.base import Dist
+from tokenfuse.engine.flags import Flagged, StepFlags
 from tokenfuse.members.base import Member, SeqState
 
 
@@ -120,39 +121,30 @@ class MemberStep:
 
 
 @dataclass(frozen=True)
-class StepRecord:
-    """What the decider saw at one step of one traced sequence (the text is added by ``Trace``)."""
+class StepRecord(Flagged):
+    """What the decider saw at one step of one traced sequence (its place in the output is added by
+    ``Trace``: ``TraceStep``). ``flags``: how the step was decided (``StepFlags``; ``r.gated``,
+    ``r.ensembled``, ``r.skipped``, ``r.speculative``, ... read them)."""
 
     token: str
     end: bool
     prob: float
     top: tuple[TopEntry, ...]
-    gated: bool
-    ensembled: bool
-    skipped: bool
+    flags: StepFlags = field(default_factory=StepFlags)
     members: tuple[MemberStep, ...] = ()
-    speculative: bool = False
     terms: dict[str, float] | None = None
 
 
-@dataclass(frozen=True)
-class TraceStep:
-    """One step of a traced sequence, as a reader sees it (``to_dict``: its JSON; the module docstring)."""
+@dataclass(frozen=True, kw_only=True)
+class TraceStep(StepRecord):
+    """One step of a traced sequence, as a reader sees it (``to_dict``: its JSON; the module docstring):
+    its ``StepRecord`` placed in the output, ``step`` its number, ``text`` and ``bytes`` (hex) what it
+    adds to the output, ``cut`` whether a stop string trimmed it."""
 
     step: int
     text: str
     bytes: str
-    token: str
-    end: bool
-    prob: float
-    top: tuple[TopEntry, ...]
-    gated: bool
-    ensembled: bool
-    skipped: bool
-    members: tuple[MemberStep, ...] = ()
     cut: bool = False
-    speculative: bool = False
-    terms: dict[str, float] | None = None
 
     @property
     def logprob(self) -> float:
@@ -202,10 +194,8 @@ class Trace:
         for n, (rec, start, end, cut) in enumerate(self._pending[:take]):
             final = limit is None and n == take - 1
             text = self._decoder.decode(out[start:end], final=final)
-            done.append(TraceStep(step=len(self.steps) + len(done), text=text, bytes=out[start:end].hex(),
-                                  token=rec.token, end=rec.end, prob=rec.prob, top=rec.top, gated=rec.gated,
-                                  ensembled=rec.ensembled, skipped=rec.skipped, members=rec.members, cut=cut,
-                                  speculative=rec.speculative, terms=rec.terms))
+            done.append(TraceStep(**vars(rec), step=len(self.steps) + len(done), text=text,
+                                  bytes=out[start:end].hex(), cut=cut))
         del self._pending[:take]
         self.steps.extend(done)
         return done
@@ -298,14 +288,15 @@ def member_step(space: VocabSpace, member: Member, i: int, out: Any, row: int, s
 
 def record_step(space: VocabSpace, members: Sequence[Member], primary: int, options: TraceOptions, entry: int,
                 dist: Dist, dist_row: int, outs: dict[int, Any], row: int, states: Sequence[SeqState], *,
-                gated: bool, ensembled: bool, skipped: bool) -> StepRecord:
-    """The record of one traced step: ``entry`` chosen from row ``dist_row`` of ``dist``; ``outs``:
-    the outputs of the members computed for it (row ``row``); ``states``: the sequence's states."""
+                flags: StepFlags) -> StepRecord:
+    """The record of one traced step: ``entry`` chosen from row ``dist_row`` of ``dist``, decided as
+    ``flags``; ``outs``: the outputs of the members computed for it (row ``row``); ``states``: the
+    sequence's states."""
     end = end_text(members[primary])
     rec_members: tuple[MemberStep, ...] = ()
     if options.members:
         rec_members = tuple(member_step(space, m, i, outs.get(i), row, states[i], entry, options.k)
                             for i, m in enumerate(members))
     return StepRecord(token=entry_text(space, entry, end), end=entry == END, prob=entry_prob(dist, dist_row, entry),
-                      top=combined_top(space, dist, dist_row, options.k, end), gated=gated, ensembled=ensembled,
-                      skipped=skipped, members=rec_members, terms=entry_terms(dist, dist_row, entry))
+                      top=combined_top(space, dist, dist_row, options.k, end), flags=flags, members=rec_members,
+                      terms=entry_terms(dist, dist_row, entry))
