@@ -103,7 +103,7 @@ def test_invalid_yaml(capsys, tmp_path):
     (["--models", "smollm2,qwen", "--weights", "1,2,3"], "--weights: 3 weights for 2 members"),
     (["--models", "smollm2,qwen", "--weights", "1,heavy"], "--weights"),
     (["--models", "smollm2,qwen", "--weights=-1,1"], "members.0.weight"),
-    (["--models", "smollm2,qwen", "--threshold", "0.5"], "gate"),
+    (["--models", "smollm2,qwen", "--gate", "qwen"], "threshold: gate 'qwen' needs a threshold"),
     (["--models", "smollm2,qwen", "--gate", "gemma3"], "gate: 'gemma3' is not a member"),
     (["--models", "smollm2,qwen", "--method", "gca"], "available: byte, contrast, deepen, gac, unite"),
     (["--models", "smollm2,qwen", "--top-p", "0"], "decoding.top_p"),

@@ -43,8 +43,8 @@ def test_model_args_go_through_the_config_override_rule(monkeypatch, tmp_path):
     path.write_text("members: [{name: a}, {name: b}]\nmethod: unite\nparams: {k: 5}\n")
     TokenfuseLM._load(str(path), None, method="gac", gate=None, threshold=None, primary=None)
     assert (seen[1].method, seen[1].params) == ("gac", {})
-    with pytest.raises(ConfigError, match="^model_args: gate: thresholded"):
-        TokenfuseLM._load(None, "a+b", method=None, gate=None, threshold=0.5, primary=None)
+    with pytest.raises(ConfigError, match="^model_args: threshold: gate 'b' needs a threshold"):
+        TokenfuseLM._load(None, "a+b", method=None, gate="b", threshold=None, primary=None)
 
 
 @pytest.fixture(scope="module")

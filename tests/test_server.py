@@ -179,7 +179,7 @@ def test_tokenfuse_options(client, members, align_cache):
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "x", "tokenfuse": {"method": "nope"}}, 400, "tokenfuse"),
-    ({"prompt": "x", "tokenfuse": {"threshold": 0.5}}, 400, "tokenfuse"),
+    ({"prompt": "x", "tokenfuse": {"gate": "A"}}, 400, "tokenfuse"),
     ({"prompt": "x", "tokenfuse": {"weights": [1, 2]}}, 400, "tokenfuse"),
     ({"prompt": "x", "tokenfuse": {"colour": "red"}}, 400, "tokenfuse.colour"),
     ({"prompt": "x", "tokenfuse": {"params": {"k": 0}, "method": "unite"}}, 400, "tokenfuse"),
