@@ -175,7 +175,7 @@ def test_text_bytes_run_writes_results_and_resumes(make_tiny, one_thread, text_d
     for i, cost in enumerate(scored["members"].values()):
         assert set(cost) == {"rows", "view_seconds", "own_seconds"} and cost["rows"] == items[2]["rows_read"][i]
     assert cli.main(["score", str(doc), "--bytes", "--json"]) == 0  # no fit: the members' weights, no gate
-    assert set(json.loads(capsys.readouterr().out)["rows"]) == set(items[2]["bits"]) - {"byte-gate"}
+    assert set(json.loads(capsys.readouterr().out)["rows"]) == set(items[2]["bits"]) - {"byte-gate", "byte-online"}
     # the pruning as flags: the top rule reads more rows than the run's (the default, defer)
     assert res["rule"] == "defer" and res["keep"] == 2e-3
     assert cli.main(["score", str(doc), "--bytes", "--json", "--rule", "top", "--keep", "0.01"]) == 0

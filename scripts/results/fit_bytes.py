@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The byte method's text fit for the bundled members: the byte rows' numbers (``byte-mix``'s weights,
-``byte-switch``'s share, ``byte-gate``'s ``b`` and ``A``) and ``doc-mix``'s weights, fit on a
+``byte-switch``'s share, ``byte-gate``'s ``b`` and ``A``, ``byte-online``'s rate) and ``doc-mix``'s weights, fit on a
 ``text-bytes`` run's dev views alone (no test document read), written as the fit file the ``byte``
 method reads by default for the bundled three (``params.fit``; src/tokenfuse/combiners/fits/).
 

@@ -15,11 +15,13 @@ combines them (``mix``, ``params.mix``):
   posterior, then a share ``alpha`` goes back to the members' weights (the ``byte-switch`` row);
 - ``gate``: the mixture with weights ``softmax(b + A f)``, ``f`` each member's running averages of its
   own log-probabilities of the output's bytes so far (the ``byte-gate`` row; ``b``, ``A`` from a fit);
+- ``online``: the gate whose bias also takes a step on the log loss after each byte (the ``byte-online``
+  row; its ``rate`` from the fit);
 
-(``combiners.mixers``, the code of the text scores' rows too; for ``switch`` and ``gate`` the engine
+(``combiners.mixers``, the code of the text scores' rows too; for ``switch``, ``gate`` and ``online`` the engine
 keeps each sequence's ``Mixer`` and gives its weights as per-row factors, ``StepView.log_factors``).
 With ``params.fit``, ``mixture`` mixes at the fit's ``byte-mix`` weights instead of the members'. The
-numbers of ``switch`` (``alpha``) and ``gate`` come from ``params.fit``, a text-bytes fit file (a
+numbers of ``switch`` (``alpha``), ``gate`` and ``online`` come from ``params.fit``, a text-bytes fit file (a
 ``tokenfuse eval --tasks text-bytes`` run's results.json, or a file of its shape): by default the one
 shipped for the bundled three members (``fits/bundled-bytes.json``, built from the shared dev text by
 ``scripts/results/fit_bytes.py``); ``params.alpha`` sets ``switch``'s share without a fit;
@@ -67,7 +69,7 @@ _NO_PIECES = "not available with method byte (it chooses bytes, not pieces)"
 
 
 class ByteParams(BaseModel):
-    """``mix``: ``mixture``, ``product``, ``switch`` or ``gate``; ``alpha``: ``switch``'s share (default:
+    """``mix``: ``mixture``, ``product``, ``switch``, ``gate`` or ``online``; ``alpha``: ``switch``'s share (default:
     the fit's); ``fit``: a text-bytes fit file for ``switch`` and ``gate`` (module docstring); ``keep``, ``width``, ``rule``, ``smooth``:
     each member's byte model's pruning (``alignment.bytemodel.Pruning``: a history below ``keep`` times
     the prefix mass, or past the ``width`` most probable at its boundary, is pruned; ``keep = 0`` and
@@ -144,7 +146,7 @@ class ByteMix(Combiner):
         return f"byte-{'mix' if self.params.mix == 'mixture' else self.params.mix}"
 
     def new_mixer(self, weights: Sequence[float]) -> Mixer | None:
-        """A sequence's mixer of the members with these (positive) weights, for ``switch`` and ``gate``,
+        """A sequence's mixer of the members with these (positive) weights, for ``switch``, ``gate`` and ``online``,
         and ``mixture`` at a fit's weights (``None`` for ``mixture`` without a fit and ``product``, whose
         weights are the ensemble's)."""
         if self.fitted is None:
@@ -158,8 +160,8 @@ class ByteMix(Combiner):
         if self.params.mix == "switch":
             return Mixer("switch", Fitted(weights=w / w.sum(), alpha=self.fitted.alpha), len(w))
         if len(self.fitted.gate) != len(w) * (1 + len(w) * len(RATES)):
-            raise ConfigError("params.mix: gate mixes every member of its fit; give each a positive weight")
-        return Mixer("gate", self.fitted, len(w))
+            raise ConfigError(f"params.mix: {self.params.mix} mixes every member of its fit; give each a positive weight")
+        return Mixer(self.params.mix, self.fitted, len(w))
 
     def combine(self, view: StepView) -> Dist:
         """The members' next-symbol distributions (``view.logprobs``: ``float64[R, 257]`` each) mixed
@@ -182,7 +184,7 @@ class ByteMix(Combiner):
         w = np.asarray(weights, dtype=np.float64)
         if not (w > 0).any():
             raise ConfigError("members.weight: at least one member needs a positive weight")
-        kind = "product" if self.params.mix == "product" else "mixture"  # switch, gate: the mixture at their weights
+        kind = "product" if self.params.mix == "product" else "mixture"  # switch, gate, online: the mixture at their weights
         return Mixer(kind, Fitted(weights=w), len(w)).combine(logps)
 
 

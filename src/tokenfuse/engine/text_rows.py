@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenfuse.combiners.mixers import Fitted, best_alpha, em_weights, fit_gate, mixed_logprobs
+from tokenfuse.combiners.mixers import Fitted, best_alpha, best_rate, em_weights, fit_gate, mixed_logprobs
 from tokenfuse.engine.text_features import DocFeatures
 
 POE_GRID = 0.05
@@ -60,7 +60,7 @@ class Row:
 
 ROWS = {"doc-mix": Row("document"), "gac": Row("tokens", "mixture"), "switch": Row("tokens", "switch"),
         "poe": Row("tokens"), "byte-mix": Row("bytes", "mixture"), "byte-switch": Row("bytes", "switch"),
-        "byte-gate": Row("bytes", "gate")}
+        "byte-gate": Row("bytes", "gate"), "byte-online": Row("bytes", "online")}
 TOKEN_ROWS = tuple(r for r, x in ROWS.items() if x.predicts == "tokens")
 BYTE_ROWS = tuple(r for r, x in ROWS.items() if x.predicts == "bytes")
 TEXT_ROWS = ("doc-mix",) + TOKEN_ROWS  # the rows of the ``text`` run besides each member's
@@ -170,5 +170,6 @@ def fit(dev: Sequence[DocFeatures], n_members: int) -> dict[str, Fitted]:
 def fit_bytes(dev: list[np.ndarray]) -> dict[str, Fitted]:
     """Every byte row's parameters on the dev documents' ``q`` (one ``[n, M]`` array per document)."""
     w = em_weights(_log(np.concatenate(dev)))
+    gate = fit_gate(dev, w)
     return {"byte-mix": Fitted(weights=w), "byte-switch": Fitted(weights=w, alpha=best_alpha(dev, w)),
-            "byte-gate": Fitted(gate=fit_gate(dev, w))}
+            "byte-gate": Fitted(gate=gate), "byte-online": Fitted(gate=gate, rate=best_rate(dev, gate))}

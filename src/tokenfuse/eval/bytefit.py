@@ -1,5 +1,5 @@
 """The byte rows' numbers fit per task on its dev items (``byte-mix``'s weights, ``byte-gate``'s ``b`` and
-``A``), never on test items: each member's byte model of ``context + gold continuation`` for the last
+``A``, ``byte-online``'s rate), never on test items: each member's byte model of ``context + gold continuation`` for the last
 ``FIT_ITEMS`` dev items in the seed's order (``auto`` and the primary's ranking take the first ones, so
 the rows ``auto`` compares on dev are not scored on the items they were fit on, unless the pool is
 smaller than both together) (``engine.bytescore.member_byte_logprobs``, the byte
@@ -20,19 +20,22 @@ import numpy as np
 
 from tokenfuse.alignment.bytetree import TokenBytes
 from tokenfuse.combiners.bytemix import ByteParams
-from tokenfuse.combiners.mixers import em_weights, fit_gate
+from tokenfuse.combiners.mixers import best_rate, em_weights, fit_gate
 from tokenfuse.engine.bytescore import member_byte_logprobs
 from tokenfuse.tasks.base import seeded_order
 
 FIT_ITEMS = 50
+ROWS = ("byte-mix", "byte-gate", "byte-online")  # the rows a task's fit holds
 
 
 def task_fit(base, task, out: Path, seed: int, log: Callable[[str], None], items: int = FIT_ITEMS) -> Path | None:
     """The task's fit file (made once; the module docstring), ``None`` where the task has no dev items."""
     path = out / "fits" / f"{task.name}.json"
     names = [m.name for m in base.members]
-    if path.is_file() and json.loads(path.read_text()).get("members") == names:
-        return path
+    if path.is_file():
+        made = json.loads(path.read_text())
+        if made.get("members") == names and set(made.get("fitted", {})) >= set(ROWS):
+            return path  # else made before a row existed: made again (the same dev items, the same numbers)
     dev = seeded_order(task.dev_items(), seed)[-items:]
     if not dev:
         return None
@@ -51,7 +54,8 @@ def task_fit(base, task, out: Path, seed: int, log: Callable[[str], None], items
     fit = {"task": "text-bytes", "members": [m.name for m in live], "from": f"{task.name} dev items",
            "dev_items": len(dev), **{k: v for k, v in ByteParams().model_dump().items()
                                      if k in ("keep", "width", "rule", "smooth")},
-           "fitted": {"byte-mix": {"weights": w.tolist()}, "byte-gate": {"gate": gate.tolist()}}}
+           "fitted": {"byte-mix": {"weights": w.tolist()}, "byte-gate": {"gate": gate.tolist()},
+                      "byte-online": {"gate": gate.tolist(), "rate": best_rate(texts, gate, starts)}}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(fit, indent=1) + "\n")
     log(f"dev {task.name}: byte-mix weights {', '.join(f'{m.name} {x:.3f}' for m, x in zip(live, w))}")

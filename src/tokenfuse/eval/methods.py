@@ -15,6 +15,7 @@ Method names (``--methods``):
 | ``contrast`` | engine | contrastive decoding across tokenizers: the primary member the expert, the others amateurs (``alpha`` 0.1, ``beta`` 0.5) |
 | ``byte-mix`` | engine | the ``byte`` method, ``mix: mixture`` (the config's weights): generation byte by byte; likelihood on bytes |
 | ``byte-gate`` | engine | the ``byte`` method, ``mix: gate`` (the text fit: the bundled members' by default, or the config's ``params.fit`` when its method is ``byte``) |
+| ``byte-online`` | engine | the same with ``mix: online`` (the gate whose bias learns from the text as it goes) |
 | ``vote`` | output | majority over the members' extracted answers; a tie goes to the primary member |
 | ``mbr`` | output | the member output with the highest mean chrF to the other members' outputs |
 | ``seq-avg`` | output | likelihood form only: each option scored by the mean of the members' per-byte log-likelihoods |
@@ -64,7 +65,7 @@ ADAPTIVE_ROWS = {"gac-conf": {"confidence": "entropy"},
                  "gac-prompt": {"prompt_weights": 0.1, "prompt_bytes": 512},
                  "safe": {"safe": True}}
 # the byte method's rows: the mixer each sets (the text-bytes rows' names)
-BYTE_ROWS = {"byte-mix": "mixture", "byte-gate": "gate"}
+BYTE_ROWS = {"byte-mix": "mixture", "byte-gate": "gate", "byte-online": "online"}
 ENGINE_METHODS = ("gac", "gac-threshold", "unite", "deepen", *ADAPTIVE_ROWS, "contrast", *BYTE_ROWS)
 # rows under an old name: what each is now (accepted with a one-line message)
 OLD_ROWS = {"gac-select": "gac-threshold with params.boundary: true (--param boundary=true)"}

@@ -147,7 +147,7 @@ def _byte_fitted(path: str | None, names: list[str], weights: np.ndarray, alpha:
     if path is None:
         return {"byte-mix": Fitted(weights=weights), "byte-switch": Fitted(weights=weights, alpha=alpha)}, weights, None
     fit = _load_fit(path, names, "text-bytes")
-    rows = {row: Fitted.from_dict(fit[row]) for row in BYTE_ROWS}
+    rows = {row: Fitted.from_dict(fit[row]) for row in BYTE_ROWS if row in fit}  # an older fit lacks the newer rows
     return rows, np.array(fit["doc-mix"]["weights"]), run_pruning(json.loads(Path(path).read_text()))
 
 

@@ -196,7 +196,7 @@ def render(results: dict) -> str:
 
 def versus_views(records: Sequence[dict], names: Sequence[str]) -> dict:
     """Each byte row against the best ``bytes:`` row pooled (a member's own byte view, the harder
-    comparison): ``compare``'s gain, interval and p-value, not Holm-adjusted (one family of three)."""
+    comparison): ``compare``'s gain, interval and p-value, not Holm-adjusted (one family: the byte rows)."""
     bits = {row: np.array([r["bits"][row] for r in records]) for row in records[0]["bits"]}
     best = min((f"bytes:{m}" for m in names), key=lambda row: bits[row].sum())
     return {row: compare(bits[row], bits[best]) | {"best": best} for row in text_rows.BYTE_ROWS}
