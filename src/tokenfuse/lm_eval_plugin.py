@@ -119,16 +119,16 @@ def model_arguments(options: type[EnsembleOptions] | None = None) -> dict[str, s
 def model_options(given: Mapping[str, Any], options: type[EnsembleOptions] | None = None) -> dict[str, Any]:
     """The ensemble options among model arguments ``given`` (the plugin's own taken out), their text read
     (a YAML mapping for ``params``/``speculative``, ``W+W`` for ``weights``); an unknown argument or an
-    option the plugin cannot honour raises ``TokenfuseError`` naming it."""
+    option the plugin cannot honour raises ``ConfigError`` naming it."""
     fields = override_fields(options)
     out = {}
     for name, value in given.items():
         if name not in fields:
-            raise TokenfuseError(f"model_args: unknown argument {name!r}; the tokenfuse model takes "
+            raise ConfigError(f"model_args: unknown argument {name!r}; the tokenfuse model takes "
                                  f"{', '.join(model_arguments(options))}")
         info, opt = fields[name]
         if "lm_eval" in opt.refused:
-            raise TokenfuseError(f"model_args: {refusal(name, opt, 'lm_eval')}")
+            raise ConfigError(f"model_args: {refusal(name, opt, 'lm_eval')}")
         out[name] = _from_text(name, value, kind(info.annotation))
     return out
 
@@ -146,7 +146,7 @@ def _from_text(name: str, value: Any, how: str) -> Any:
         try:
             return yaml.safe_load(value)
         except yaml.YAMLError as err:
-            raise TokenfuseError(f"model_args: {name}: not valid YAML ({' '.join(str(err).split())}): {value!r}") from None
+            raise ConfigError(f"model_args: {name}: not valid YAML ({' '.join(str(err).split())}): {value!r}") from None
     return value
 
 
