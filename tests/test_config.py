@@ -8,7 +8,12 @@ import pytest
 import yaml
 
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
-from tokenfuse.config import EnsembleConfig, config_from_models, load_config, parse_config
+from tokenfuse.config import (
+    EnsembleConfig,
+    config_from_models,
+    load_config,
+    parse_config,
+)
 from tokenfuse.errors import ConfigError
 from tokenfuse.flags import config_from_args
 

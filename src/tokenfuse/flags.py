@@ -27,7 +27,14 @@ from tokenfuse.config import (
     override_fields,
     yaml_problem,
 )
-from tokenfuse.engine.options import EnsembleOptions, Option, bare, kind, refusal, union_args
+from tokenfuse.engine.options import (
+    EnsembleOptions,
+    Option,
+    bare,
+    kind,
+    refusal,
+    union_args,
+)
 from tokenfuse.errors import ConfigError
 
 
