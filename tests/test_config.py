@@ -8,8 +8,14 @@ import pytest
 import yaml
 
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
-from tokenfuse.config import EnsembleConfig, config_from_models, load_config, parse_config
+from tokenfuse.config import (
+    EnsembleConfig,
+    config_from_models,
+    load_config,
+    parse_config,
+)
 from tokenfuse.errors import ConfigError
+from tokenfuse.flags import config_from_args
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 
@@ -231,7 +237,8 @@ def test_with_overrides_refuses_unknown_options():
     with pytest.raises(ConfigError) as info:
         cfg.with_overrides(colour="red", origin="tokenfuse")
     assert str(info.value) == ("tokenfuse: unknown option(s) colour; "
-                               "allowed: method, params, gate, threshold, primary, agreement_skip, scoring, weights, speculative")
+                               "allowed: method, params, primary, agreement_skip, gate, threshold, window, scoring, parallel, "
+                               "speculative, weights")
     with pytest.raises(ConfigError, match="^model_args: method: unknown combiner 'gca'"):
         cfg.with_overrides(method="gca", origin="model_args")
     with pytest.raises(ConfigError, match="^overrides: params: expected a mapping"):
@@ -247,13 +254,13 @@ def _args(**kw):
 def test_from_args_flags(tmp_path):
     path = tmp_path / "ens.yaml"
     path.write_text(yaml.safe_dump({"members": _members("a", "b"), "method": "unite", "params": {"k": 5}}))
-    cfg = EnsembleConfig.from_args(_args(config=str(path), models=None, param=["k=7"], weights="1,0.5",
-                                         gate="a", threshold=0.3, max_new_tokens=9, stop=["\n"], top_k=None))
+    cfg = config_from_args(_args(config=str(path), models=None, param=["k=7"], weights="1,0.5",
+                                 gate="a", threshold=0.3, max_new_tokens=9, stop=["\n"], top_k=None))
     assert (cfg.method, cfg.params, cfg.gate, cfg.threshold) == ("unite", {"k": 7}, "a", 0.3)
     assert [m.weight for m in cfg.members] == [1.0, 0.5]
     assert (cfg.decoding.max_new_tokens, cfg.decoding.stop, cfg.decoding.top_k) == (9, ["\n"], 0)
-    assert EnsembleConfig.from_args(_args(config=str(path), method="gac")).params == {}
-    default = EnsembleConfig.from_args(_args())  # a command without ensemble flags: the bundled ensemble
+    assert config_from_args(_args(config=str(path), method="gac")).params == {}
+    default = config_from_args(_args())  # a command without ensemble flags: the bundled ensemble
     assert [m.name for m in default.members] == list(DEFAULT_ENSEMBLE)
 
 
@@ -265,7 +272,7 @@ def test_from_args_flags(tmp_path):
 ])
 def test_from_args_errors_name_the_flag(kw, message):
     with pytest.raises(ConfigError) as info:
-        EnsembleConfig.from_args(_args(models="a,b", **kw))
+        config_from_args(_args(models="a,b", **kw))
     assert str(info.value).startswith(message)
 
 

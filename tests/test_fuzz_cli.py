@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 import tokenfuse.load
 from tokenfuse.cli import main
 from tokenfuse.config import DecodingConfig, EnsembleConfig, MemberConfig
+from tokenfuse.engine import EnsembleOptions
 
 FUZZ = settings(derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
-LEVELS = {"top": tuple(EnsembleConfig.model_fields), "member": tuple(MemberConfig.model_fields),
+LEVELS = {"top": (*EnsembleOptions.model_fields, *EnsembleConfig.model_fields), "member": tuple(MemberConfig.model_fields),
           "decoding": tuple(DecodingConfig.model_fields)}
 FIELDS = {key for keys in LEVELS.values() for key in keys}
 NAMES = ("a", "b")  # the members of the base config

@@ -136,3 +136,37 @@ def test_simple_evaluate_on_local_json_tasks(pair, tmp_path, monkeypatch):
     assert 0.0 <= res["tf_mc"]["acc,none"] <= 1.0
     assert res["tf_gen"]["exact_match,none"] in (0.0, 1 / 3, 2 / 3, 1.0)
     assert res["tf_roll"]["bits_per_byte,none"] > 0
+
+
+def test_model_args_refuse_what_they_do_not_take(monkeypatch):
+    """An unknown model argument is an error naming it (never silently dropped); every ensemble option
+    reaches the config, ``params`` and ``weights`` among them; lm-eval's own batch_size/max_batch_size/device
+    are taken."""
+    import tokenfuse.load
+    from tokenfuse.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model_args: unknown argument 'colour'; the tokenfuse model takes config, "):
+        TokenfuseLM(models="a+b", colour="red")
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_ensemble(cfg, progress=True):
+        seen.append(cfg)
+        raise Loaded
+
+    monkeypatch.setattr(tokenfuse.load, "load_ensemble", load_ensemble)
+    with pytest.raises(Loaded):  # as lm-eval's create_from_arg_string passes them
+        TokenfuseLM.create_from_arg_string("models=a+b,method=unite,params={k: 3},weights=2+1,window=4,"
+                                           "speculative=true,agreement_skip=false",
+                                           {"batch_size": 4, "max_batch_size": None, "device": "cpu"})
+    cfg = seen[0]
+    assert (cfg.method, cfg.params, [m.weight for m in cfg.members], cfg.window) == ("unite", {"k": 3}, [2.0, 1.0], 4)
+    assert (cfg.speculative.k, cfg.agreement_skip) == (4, False)
+
+
+def test_model_args_apply_to_a_given_ensemble(pair):
+    lm = TokenfuseLM(ensemble=pair, method="unite", weights=[1, 0], batch_size="auto", max_batch_size=3)
+    assert (lm.ensemble.options.method, lm.ensemble.weights, lm.batch_size) == ("unite", [1.0, 0.0], 3)
+    assert lm.ensemble.members[0] is pair.members[0]

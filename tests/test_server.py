@@ -183,6 +183,10 @@ def test_tokenfuse_options(client, members, align_cache):
     ({"prompt": "x", "tokenfuse": {"weights": [1, 2]}}, 400, "tokenfuse"),
     ({"prompt": "x", "tokenfuse": {"colour": "red"}}, 400, "tokenfuse.colour"),
     ({"prompt": "x", "tokenfuse": {"params": {"k": 0}, "method": "unite"}}, 400, "tokenfuse"),
+    ({"prompt": "x", "tokenfuse": {"parallel": False}}, 400, "tokenfuse.parallel"),
+    ({"prompt": "x", "tokenfuse": {"scoring": "piecewise"}}, 400, "tokenfuse.scoring"),
+    ({"prompt": "x", "tokenfuse": {"speculative": {"k": 0}}}, 400, "tokenfuse.speculative.k"),
+    ({"prompt": "x", "tokenfuse": {"speculative": {"draft": "Z"}}}, 400, "tokenfuse"),
     ({"prompt": "x " * 2100, "max_tokens": 8}, 400, "prompt"),
     ({"prompt": "x " * 2100, "max_tokens": 8, "stream": True}, 400, "prompt"),
 ])
@@ -193,6 +197,28 @@ def test_errors(client, request_body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
     assert err["type"] == "invalid_request_error"
+
+
+def test_scoring_and_speculative_per_request(client, ens, members, align_cache):
+    """``scoring`` and ``speculative`` are per-request options too (built from the options' declarations);
+    ``parallel`` is the server's own and refused by name."""
+    spec = Ensemble(members, align_cache=align_cache, speculative={"draft": "C", "k": 2})
+    g = spec.generate(PROMPTS[2], max_new_tokens=8)
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 8,
+                                             "tokenfuse": {"speculative": {"draft": "C", "k": 2}}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == g.text == ens.generate(PROMPTS[2], max_new_tokens=8).text
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 4, "tokenfuse": {"speculative": True}})
+    assert r.status_code == 200, r.text
+    stepwise = Ensemble(members, align_cache=align_cache, scoring="stepwise").score_prompt(PROMPTS[1], top=2)
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 0, "echo": True, "logprobs": 2,
+                                             "tokenfuse": {"scoring": "stepwise"}})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert got[1:] == pytest.approx([p.logprob for p in stepwise][1:], abs=1e-4)
+    r = client.post("/v1/completions", json={"prompt": "x", "tokenfuse": {"parallel": False}})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "tokenfuse.parallel: parallel: not taken by the server's per-request options")
 
 
 def test_error_shapes(client):

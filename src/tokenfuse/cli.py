@@ -10,10 +10,10 @@ import time
 
 from tokenfuse import select
 from tokenfuse.analyze import cli as analyze_cli
-from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval import cli as eval_cli
 from tokenfuse.eval import score_cli
+from tokenfuse.flags import add_option_flags, config_from_args, refuse_option_flags
 
 
 class UsageError(TokenfuseError):
@@ -86,20 +86,14 @@ def _backends(text: str) -> tuple[str, ...]:
     return tuple(_items(text))
 
 
-def _ensemble_args(p: argparse.ArgumentParser) -> None:
+def _ensemble_args(p: argparse.ArgumentParser, command: str) -> None:
+    """``--config``/``--models`` and a flag per ensemble option ``command`` takes (``tokenfuse.flags``,
+    from the options' declarations)."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="ensemble config YAML (see examples/)")
     src.add_argument("--models", help="comma-separated members: bundled names, local dirs, .gguf files or hub ids "
                                       "(default: the three bundled models)")
-    p.add_argument("--method", help="combiner: gac (default), unite, deepen, contrast, byte (byte by byte)")
-    p.add_argument("--param", action="append", metavar="KEY=VALUE",
-                   help="combiner parameter, e.g. --param k=5 for unite (repeatable)")
-    p.add_argument("--primary", help="primary member (default: highest score in the config, else the first)")
-    p.add_argument("--agreement-skip", dest="agreement_skip", action=argparse.BooleanOptionalAction, default=None,
-                   help="skip alignment when every member's top piece agrees (default: on for greedy gac/unite, and contrast with beta 0)")
-    p.add_argument("--gate", help="gate member of --threshold (default: the primary member)")
-    p.add_argument("--threshold", type=float, help="thresholded mode: ensemble only when the gate's top probability <= T")
-    p.add_argument("--weights", help="comma-separated member weights (with --models)")
+    add_option_flags(p, command)
 
 
 def _decoding_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +106,7 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
 
 
 def _server_args(s: argparse.ArgumentParser) -> None:
-    _ensemble_args(s)
+    _ensemble_args(s, "serve")
     _decoding_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
@@ -124,6 +118,7 @@ def _server_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--truncate", action="store_true",
                    help="left-truncate prompts that do not fit the smallest member context (default: 400)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    refuse_option_flags(s, "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                "string ends them, e.g. --stop Question: after a 'Question: ... Answer:' prompt, or --chat to "
                "use each member's chat template (which ends at its end-of-turn token).")
     g.add_argument("prompt", help="the prompt text ('-' reads standard input)")
-    _ensemble_args(g)
+    _ensemble_args(g, "generate")
     _decoding_args(g)
     g.add_argument("--chat", action="store_true", help="treat the prompt as a user message (each member's chat template)")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -149,19 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add every step to the --json output (implies --json): the chosen piece, its combined "
                         "probability, each member's top-k, gated / ensembled / skipped (docs/serving.md)")
     g.add_argument("--trace-k", type=int, default=5, metavar="K", help="top-k per member in --trace (default 5)")
-    g.add_argument("--speculative", action="store_true",
-                   help="speculative decoding (greedy only; the same output as without it on transformers members, "
-                        "not always on llama.cpp ones, and measured slower there: docs/benchmarks.md)")
-    g.add_argument("--draft", metavar="NAME", help="the drafting member (implies --speculative; default: the smallest)")
-    g.add_argument("--draft-k", type=_positive, metavar="K", help="pieces drafted per round at most (implies "
-                                                                   "--speculative; default 4)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    refuse_option_flags(g, "generate")
 
     sub.add_parser("models", help="list the bundled models: installed? converted? and the size of their weight "
                                   "files (the GGUF, the converted fp32 safetensors), without loading them")
 
     b = sub.add_parser("bench", help="ms/token of each member alone, GaC and thresholded GaC, in one run")
-    _ensemble_args(b)
+    _ensemble_args(b, "bench")
     b.add_argument("--max-new-tokens", type=_positive, default=32)
     b.add_argument("--repeats", type=_positive, default=3, help="rounds over the prompt set (median reported)")
     b.add_argument("--thresholds", type=_thresholds, default="0.3,0.5,0.7", help="thresholds for the gated rows")
@@ -183,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="backends to compare, in one run (default: llamacpp,transformers)")
     b.add_argument("--compare-transformers", action="store_true",
                    help="also time each bundled tokenizer's conversion through transformers (about a minute)")
+    refuse_option_flags(b, "bench")
 
     s = sub.add_parser("serve", help="serve the ensemble over an OpenAI-compatible HTTP API (extra: server)")
     _server_args(s)
@@ -249,7 +240,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.trace_k < 1:
         raise TokenfuseError(f"--trace-k: must be at least 1, got {args.trace_k}")
     args.json = args.json or args.trace
-    cfg = EnsembleConfig.from_args(args)
+    cfg = config_from_args(args)
     t0 = time.perf_counter()
     ens = load_ensemble(cfg, progress=not (args.quiet or args.json))
     load_s = time.perf_counter() - t0
@@ -318,7 +309,7 @@ def _models(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from tokenfuse.bench import run_bench
 
-    cfg = EnsembleConfig.from_args(args)
+    cfg = config_from_args(args)
     run_bench(cfg, backends=args.backends, max_new_tokens=args.max_new_tokens,
               repeats=1 if args.quick else args.repeats, thresholds=args.thresholds, quick=args.quick,
               json_path=args.json_path, plot_path=args.plot_path, compare_transformers=args.compare_transformers,
@@ -334,7 +325,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenfuse.load import load_ensemble
     from tokenfuse.server import ServerSettings, serve
 
-    cfg = EnsembleConfig.from_args(args)
+    cfg = config_from_args(args)
     ens = load_ensemble(cfg, progress=not args.quiet)
     settings = ServerSettings(model_name=args.model_name, api_key=args.api_key or None,
                               max_tokens=args.max_tokens_limit, max_batch=args.max_batch,

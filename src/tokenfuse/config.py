@@ -3,29 +3,44 @@
 An ``EnsembleConfig`` is the ensemble's options (``tokenfuse.engine.options.EnsembleOptions``,
 which validates them), its members, their placement and the decoding defaults. Owns: the members'
 fields and the checks that need them, and the entry points' overrides (``with_overrides``: the
-options' one override rule, ``engine.options.merged``, plus weights and decoding;
-``EnsembleConfig.from_args`` for the command line's flags). Errors name the field
-(``members.1.weight``) and what to write instead.
+options' one override rule, ``engine.options.merged``, plus weights and decoding; the command
+line's flags for them: ``tokenfuse.flags``). The config holds its options by composition
+(``cfg.options``, an ``EnsembleOptions``), written at the top level of the YAML as before and read
+as ``cfg.method``, ``cfg.params``, ... Errors name the field (``members.1.weight``) and what to
+write instead.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
 from tokenfuse.combiners import combiner_class
-from tokenfuse.engine.options import EnsembleOptions, merged, options_error
+from tokenfuse.engine.options import (
+    EnsembleOptions,
+    Option,
+    merged,
+    option_fields,
+    options_error,
+    read_old_spellings,
+)
 from tokenfuse.errors import ConfigError
-
-# The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
-ENSEMBLE_OPTIONS = ("method", "params", "gate", "threshold", "primary", "agreement_skip", "scoring", "weights",
-                    "speculative")
 
 
 def _multi_seq(value: Any) -> Any:
@@ -112,12 +127,34 @@ class DecodingConfig(_Strict):
     stop: list[str] = Field(default_factory=list)
 
 
-class EnsembleConfig(EnsembleOptions):
-    """An ensemble: its members, placement and decoding defaults, and its options (the fields of
-    ``EnsembleOptions``, written at the top level of the YAML; ``options`` gives them alone)."""
+class MemberOverrides(BaseModel):
+    """The override that is the members', not an option (the ensemble's weights: ``with_overrides``'
+    ``weights``), declared as the options are (``engine.options.Option``) so that every surface has it."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=False)
+    weights: Annotated[list[float] | dict[str, float] | None, Option(
+        "comma-separated member weights, in member order", metavar="W,W,...",
+        text="a list in member order or {member name: weight}; model_args: W+W+...")] = None
+
+
+def override_fields(options: type[EnsembleOptions] | None = None,
+                    surface: str | None = None) -> dict[str, tuple[FieldInfo, Option]]:
+    """What an entry point may override, declared (``engine.options.option_fields``): the options'
+    fields (``options``, default ``EnsembleOptions``) and the members' weights; with ``surface``,
+    only those it honours."""
+    return {**option_fields(options, surface), **option_fields(MemberOverrides, surface)}
+
+
+# The ensemble fields a caller may override (command line, server requests, lm-eval model_args, eval rows).
+ENSEMBLE_OPTIONS = tuple(override_fields())
+
+
+class EnsembleConfig(_Strict):
+    """An ensemble: its options (``options``, an ``EnsembleOptions``; written at the top level of the
+    YAML and read back there, and each readable as ``cfg.<option>``), its members, their placement
+    and the decoding defaults."""
+
     members: list[MemberConfig] = Field(min_length=1)
+    options: EnsembleOptions = Field(default_factory=EnsembleOptions)  # validated knowing the members (below)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     cache_dir: str | None = None
     placement: Literal["local", "ray"] = "local"  # ray: each member in a Ray actor (extra tokenfuse[ray])
@@ -127,16 +164,46 @@ class EnsembleConfig(EnsembleOptions):
     ray_call_timeout: float | None = Field(None, gt=0)  # ray: seconds before a member call counts as unavailable
     on_member_failure: Literal["error", "skip"] = "error"  # skip: a failed remote/Ray member is left out
 
-    def _check_known_members(self) -> None:
-        try:
-            self.check_members([m.name for m in self.members], [m.weight for m in self.members])
-        except ConfigError as err:
-            raise ConfigError(str(err) + _repeat_hint(self.members)) from None
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_options(cls, data: Any) -> Any:
+        """The options, written at the top level (``method: unite``), into the ``options`` value (or an
+        ``EnsembleOptions`` given as ``options=``, the top-level keys applied over it)."""
+        if not isinstance(data, Mapping):
+            return data
+        data = read_old_spellings(data)  # here: its messages name the primary among the members
+        given = data.get("options")
+        if "options" in data and not isinstance(given, EnsembleOptions):
+            raise ValueError("options: Extra inputs are not permitted (the options are written at the top level: "
+                             f"{', '.join(EnsembleOptions.model_fields)})")
+        own = {k: v for k, v in data.items() if k in EnsembleOptions.model_fields}
+        rest = {k: v for k, v in data.items() if k not in own and k != "options"}
+        if given is None:
+            return {"options": own, **rest}
+        return {"options": given.model_dump() | own if own else given, **rest}
+
+    @field_validator("options", mode="wrap")
+    @classmethod
+    def _options_with_members(cls, value: Any, handler: Any, info: ValidationInfo) -> EnsembleOptions:
+        """The options validated with the members' names known (``EnsembleOptions``' rules that need
+        them come before those that do not, as for bare options in the ``Ensemble``)."""
+        members = info.data.get("members")
+        if members is None:  # the members' own errors are named; the options are checked alone
+            return handler(value)
+        if isinstance(value, EnsembleOptions):
+            value = value.model_dump()
+        context = {"members": ([m.name for m in members], [m.weight for m in members], _repeat_hint(members))}
+        return EnsembleOptions.model_validate(value, context=context)
+
+    @model_serializer(mode="wrap")
+    def _options_at_top(self, handler: Any) -> dict[str, Any]:
+        """Dumped as it is written: the options at the top level, first (``to_yaml``, ``with_overrides``)."""
+        data = handler(self)
+        return {**data.pop("options", {}), **data}
 
     @model_validator(mode="after")
     def _with_members(self) -> EnsembleConfig:
-        """What only the config knows: members' backends and placement against the options (the
-        options' rules, those that need the members' names among them, are checked first)."""
+        """What only the config knows: members' backends and placement against the options."""
         self._adaptive_consistent()
         self._speculative_consistent()
         if combiner_class(self.method).needs != "topk":  # full rows (the ``byte`` method's views read them too)
@@ -172,11 +239,7 @@ class EnsembleConfig(EnsembleOptions):
     @property
     def primary_name(self) -> str:
         """The primary member: ``primary`` if set, else the highest ``score``, else the first member."""
-        return self.primary_of([m.name for m in self.members], [m.score for m in self.members])
-
-    @property
-    def primary_label(self) -> str:
-        return self.primary_name
+        return self.options.primary_of([m.name for m in self.members], [m.score for m in self.members])
 
     def to_yaml(self) -> str:
         data = self.model_dump(exclude_none=True)
@@ -194,8 +257,9 @@ class EnsembleConfig(EnsembleOptions):
         * ``method``: a different method clears ``params`` (another method's parameters do not
           carry over); the same method keeps them;
         * ``params``: merged key by key into the (possibly cleared) parameters;
-        * ``gate``, ``threshold``, ``primary``, ``agreement_skip``, ``scoring``, ``speculative`` (a
-          mapping of ``SpeculativeOptions``' fields, or ``None``: off): replaced;
+        * every other option (``primary``, ``gate``, ``threshold``, ``window``, ...;
+          ``speculative``: a mapping of ``SpeculativeOptions``' fields, ``true``: on with the
+          defaults, ``None``/``false``: off): replaced;
         * ``weights``: a list in member order, or ``{member name: weight}`` (the others kept).
 
         ``decoding`` fields (``DecodingConfig``) are merged into the decoding defaults.
@@ -221,37 +285,14 @@ class EnsembleConfig(EnsembleOptions):
             data["decoding"] = {**data["decoding"], **decoding}
         return parse_config(data, origin=origin)
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EnsembleConfig:
-        """The config of a command's flags: ``--config`` or ``--models`` (default: the bundled
-        ensemble), then ``--method``, ``--param KEY=VALUE``, ``--gate``, ``--threshold``,
-        ``--primary``, ``--agreement-skip``, ``--scoring``, ``--weights``, ``--speculative``/``--draft``/``--draft-k``
-        and the decoding flags, each where the
-        command has it (a flag the command lacks or leaves unset changes nothing)."""
-        def flag(name: str) -> Any:
-            return getattr(args, name, None)
 
-        cfg = config_from_source(config=flag("config"), models=flag("models"))
-        options: dict[str, Any] = {k: flag(k) for k in ("method", "gate", "threshold", "primary", "agreement_skip",
-                                                        "scoring")
-                                   if flag(k) is not None}
-        if flag("param"):
-            options["params"] = dict(_key_value(item) for item in flag("param"))
-        if flag("weights"):
-            try:
-                options["weights"] = [float(w) for w in flag("weights").split(",")]
-            except ValueError:
-                raise ConfigError(f"--weights: expected comma-separated numbers, got {flag('weights')!r}") from None
-        decoding = {k: flag(k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
-                    if flag(k) is not None}
-        if flag("stop"):
-            decoding["stop"] = list(flag("stop"))
-        if flag("speculative") or flag("draft") is not None or flag("draft_k") is not None:
-            spec = cfg.speculative.model_dump() if cfg.speculative is not None else {}
-            spec |= {k: v for k, v in (("draft", flag("draft")), ("k", flag("draft_k"))) if v is not None}
-            options["speculative"] = spec
-        return cfg.with_overrides(**options, decoding=decoding, origin=flag("config") or "command line",
-                                  names={"weights": "--weights", "params": "--param"})
+def _delegate(name: str) -> property:
+    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}`` (``EnsembleOptions``)")
+
+
+for _name in EnsembleOptions.model_fields:  # cfg.method, cfg.params, ...: the options', read-only
+    setattr(EnsembleConfig, _name, _delegate(_name))
+del _name
 
 
 def _repeat_hint(members: list[MemberConfig]) -> str:
@@ -281,19 +322,7 @@ def _weights(weights: Any, members: list[MemberConfig], label: str) -> list[Any]
     raise ConfigError(f"{label}: expected a list in member order or a mapping of member names, got {weights!r}")
 
 
-def _key_value(item: str) -> tuple[str, Any]:
-    """``--param KEY=VALUE`` -> ``(KEY, VALUE as YAML)``."""
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--param: expected KEY=VALUE, got {item!r}")
-    try:
-        return key.strip(), yaml.safe_load(value)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--param {key.strip()}: the value is not valid YAML ({_yaml_problem(err)}): "
-                          f"{value!r}") from None
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
+def yaml_problem(err: yaml.YAMLError) -> str:
     """A YAML error in one line: what is wrong and where (``line 2, column 5``)."""
     mark = getattr(err, "problem_mark", None)
     problem = getattr(err, "problem", None) or " ".join(str(err).split())
@@ -318,7 +347,7 @@ def load_config(path: str | Path) -> EnsembleConfig:
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(err)}") from None
+        raise ConfigError(f"{p}: not valid YAML: {yaml_problem(err)}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{p}: not a UTF-8 text file (byte {err.start}); write the config as UTF-8 YAML") from None
     except OSError as err:

@@ -12,11 +12,20 @@ own command line::
 
     tokenfuse-lm-eval run --model tokenfuse --model_args config=examples/default.yaml --tasks arc_easy
 
-Model arguments (``--model_args key=value,...``): ``config`` (an ensemble YAML) or ``models``
-(members separated by ``+``), ``method``, ``gate``, ``threshold``, ``primary``; ``loglikelihood``
-(``text``, default, ``token``, or ``bytes`` with ``method=byte``), ``combine`` (``mean``, default, or ``mixture``), ``chat``
-(``true``: each context is sent as one user message, rendered by each member's own template),
-``batch_size`` (default 8).
+Model arguments (``--model_args key=value,...``; ``model_arguments()`` lists them): ``config`` (an
+ensemble YAML) or ``models`` (members separated by ``+``); every ensemble option the plugin honours,
+built from the options' declarations (``tokenfuse.config.override_fields``): ``method``, ``params``
+(a YAML mapping: ``params={k: 5}``), ``primary``, ``agreement_skip``, ``gate``, ``threshold``,
+``window``, ``scoring``, ``parallel``, ``speculative`` (``true``, or a YAML mapping ``{k: 2}``) and
+``weights`` (``2+1``, in member order, or ``{name: weight}``), applied to the config by
+``EnsembleConfig.with_overrides``; ``loglikelihood`` (``text``, default, ``token``, or ``bytes``
+with ``method=byte``), ``combine`` (``mean``, default, or ``mixture``), ``chat`` (``true``: each
+context is sent as one user message, rendered by each member's own template), ``batch_size``
+(default 8; ``auto``: ``max_batch_size``, else 8), ``max_gen_toks`` (default 256). lm-eval passes
+``batch_size``, ``max_batch_size`` and ``device`` to every model (and ``trust_remote_code`` with its
+``--trust_remote_code``); ``device`` and ``trust_remote_code`` are accepted with a warning (a
+member's are its config's). Any other argument, and an option the plugin
+cannot honour (``Option.refused``), is refused with an error naming it (never silently dropped).
 
 Requests:
 
@@ -48,17 +57,24 @@ An empty context is conditioned on the member's BOS/EOS token in the same way (t
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: it loads them only into an empty registry)
+import yaml
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from pydantic import ValidationError
 
-from tokenfuse.config import config_from_source
-from tokenfuse.engine import Ensemble, Sampling
-from tokenfuse.errors import TokenfuseError
+from tokenfuse.config import config_from_source, override_fields
+from tokenfuse.engine import Ensemble, EnsembleOptions, Sampling
+from tokenfuse.engine.options import kind, options_error, refusal
+from tokenfuse.errors import ConfigError, TokenfuseError
+
+log = logging.getLogger(__name__)
 
 
 def _bool(x) -> bool:
@@ -81,28 +97,89 @@ def combine_loglikelihoods(logprobs: Sequence[float], weights: Sequence[float], 
     raise TokenfuseError(f"combine: expected mean or mixture, got {how!r}")
 
 
+# the plugin's own model arguments besides the ensemble options (``model_arguments``), and those lm-eval
+# passes to every model's constructor (``LM.create_from_arg_string``'s ``additional_config``)
+OWN_ARGUMENTS = {
+    "config": "an ensemble config YAML", "models": "members separated by +",
+    "loglikelihood": "text (default), token or bytes", "combine": "mean (default) or mixture",
+    "chat": "true: each context as one user message", "batch_size": "requests per call (default 8)",
+    "max_gen_toks": "generation limit (default 256)",
+    "max_batch_size": "lm-eval's: the batch size of batch_size=auto",
+    "device": "lm-eval's: not used, with a warning (each member's device is its config's)",
+    "trust_remote_code": "lm-eval's: not used, with a warning (each member's is its config's)",
+}
+
+
+def model_arguments(options: type[EnsembleOptions] | None = None) -> dict[str, str]:
+    """Every model argument of the ``tokenfuse`` model, with what it is: its own (``OWN_ARGUMENTS``)
+    and each override the plugin honours (``options``: default ``EnsembleOptions``)."""
+    return {**OWN_ARGUMENTS, **{n: o.help for n, (_, o) in override_fields(options, "lm_eval").items()}}
+
+
+def model_options(given: Mapping[str, Any], options: type[EnsembleOptions] | None = None) -> dict[str, Any]:
+    """The ensemble options among model arguments ``given`` (the plugin's own taken out), their text read
+    (a YAML mapping for ``params``/``speculative``, ``W+W`` for ``weights``); an unknown argument or an
+    option the plugin cannot honour raises ``ConfigError`` naming it."""
+    fields = override_fields(options)
+    out = {}
+    for name, value in given.items():
+        if name not in fields:
+            raise ConfigError(f"model_args: unknown argument {name!r}; the tokenfuse model takes "
+                                 f"{', '.join(model_arguments(options))}")
+        info, opt = fields[name]
+        if "lm_eval" in opt.refused:
+            raise ConfigError(f"model_args: {refusal(name, opt, 'lm_eval')}")
+        out[name] = _from_text(name, value, kind(info.annotation))
+    return out
+
+
+def _from_text(name: str, value: Any, how: str) -> Any:
+    if how == "list" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [value]  # one weight (lm-eval reads "2" as a number)
+    if not isinstance(value, str):
+        return value
+    if how == "switch":
+        return _bool(value)
+    if how == "list" and not value.lstrip().startswith(("{", "[")):
+        return value.split("+")
+    if how in ("mapping", "list", "model"):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"model_args: {name}: not valid YAML ({' '.join(str(err).split())}): {value!r}") from None
+    return value
+
+
 @register_model("tokenfuse")
 class TokenfuseLM(LM):
     """A tokenfuse ensemble behind lm-eval's ``LM`` interface (see the module docstring)."""
 
-    def __init__(self, config: str | None = None, models: str | None = None, method: str | None = None,
-                 gate: str | None = None, threshold: float | None = None, primary: str | None = None,
-                 loglikelihood: str = "text", combine: str = "mean", chat: bool | str = False,
-                 batch_size: int | str = 8, max_gen_toks: int | str = 256, ensemble=None, **_ignored) -> None:
+    def __init__(self, config: str | None = None, models: str | None = None, loglikelihood: str = "text",
+                 combine: str = "mean", chat: bool | str = False, batch_size: int | str = 8,
+                 max_gen_toks: int | str = 256, max_batch_size: int | str | None = None, device: str | None = None,
+                 trust_remote_code: bool | None = None, ensemble=None, **options) -> None:
         super().__init__()
         if loglikelihood not in ("text", "token", "bytes"):
             raise TokenfuseError(f"loglikelihood: expected text, token or bytes, got {loglikelihood!r}")
         if combine not in ("mean", "mixture"):
             raise TokenfuseError(f"combine: expected mean or mixture, got {combine!r}")
+        options = model_options({k: v for k, v in options.items() if v is not None})
+        if device is not None:
+            log.warning("tokenfuse: device=%s is not used: each member runs on its config's `device`", device)
+        if trust_remote_code:
+            log.warning("tokenfuse: trust_remote_code is not used: each member's is its config's `trust_remote_code`")
         if ensemble is None:
-            ensemble = self._load(config, models, method=method, gate=gate, threshold=threshold, primary=primary)
+            ensemble = self._load(config, models, **options)
+        elif options:
+            ensemble = self._variant(ensemble, options)
         if loglikelihood == "bytes" and ensemble.options.method != "byte":
             raise TokenfuseError(f"loglikelihood: bytes scores the byte method's mixture; give method=byte (the "
                                  f"ensemble's method is {ensemble.options.method})")
         self.ensemble = ensemble
         self.singles = [Ensemble.single(m, window=ensemble.options.window) for m in ensemble.members]
         self.mode, self.combine, self.chat = loglikelihood, combine, _bool(chat)
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        auto = int(max_batch_size) if str(max_batch_size).isdigit() else 8
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else auto
         self.max_gen_toks = int(max_gen_toks)
 
     @staticmethod
@@ -113,6 +190,15 @@ class TokenfuseLM(LM):
         cfg = config_from_source(config=config, models=models and models.replace("+", ",").replace("|", ","))
         cfg = cfg.with_overrides(**{k: v for k, v in options.items() if v is not None}, origin="model_args")
         return load_ensemble(cfg, progress=False)
+
+    @staticmethod
+    def _variant(ensemble: Ensemble, options: dict[str, Any]) -> Ensemble:
+        """An ensemble given in Python with model arguments' options: its variant with them applied."""
+        weights = options.pop("weights", None)
+        try:
+            return ensemble.variant(ensemble.options.replace(**options) if options else None, weights=weights)
+        except ValidationError as err:
+            raise ConfigError(options_error(err, "model_args")) from None
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -37,9 +37,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenfuse.config import EnsembleConfig, parse_config
+from tokenfuse.config import parse_config
 from tokenfuse.errors import TokenfuseError
-from tokenfuse.tasks import DEFAULT_SEED, PROMPT_FORMS, TASKS, generate_graded, load_task, uses_chat
+from tokenfuse.flags import config_from_args
+from tokenfuse.tasks import (
+    DEFAULT_SEED,
+    PROMPT_FORMS,
+    TASKS,
+    generate_graded,
+    load_task,
+    uses_chat,
+)
 
 MAX_GAP_POINTS = 10.0
 MAX_LENGTH_RATIO = 2.0
@@ -292,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     """``tokenfuse select``: returns the exit code (errors raise ``TokenfuseError``)."""
     if args.limit is not None and args.limit < 0:
         raise TokenfuseError(f"--limit: expected 0 (all) or more, got {args.limit}")
-    cfg = EnsembleConfig.from_args(args)
+    cfg = config_from_args(args)
     task = load_task(args.task, args.data, num_fewshot=args.num_fewshot)
     items = task.dev_subset(args.limit or None, args.subset_seed)
     quiet = args.quiet or args.json

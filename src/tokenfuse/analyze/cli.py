@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.flags import config_from_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(text_pieces(args.run, row=args.row, docs=args.docs, top=args.top, data=args.data))
         return 0
-    cfg = EnsembleConfig.from_args(args)
+    cfg = config_from_args(args)
     if args.analysis == "tokenizers":
         from tokenfuse.analyze.tokenizers import run_tokenizers
 

@@ -37,17 +37,24 @@ from tokenfuse.engine.bytegen import ByteDecider, top_entries
 from tokenfuse.engine.bytescore import byte_loglikelihood, byte_score_prompt
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.likelihood import Likelihood, RowMemo, score
+from tokenfuse.engine.options import EnsembleOptions, options_error, own_params
 from tokenfuse.engine.pool import MemberPool
 from tokenfuse.engine.prompt import Prompt, is_single, prompt_ids, prompt_token_count
 from tokenfuse.engine.sampling import Sampling
 from tokenfuse.engine.sequence import Generation, OpenSequence, StepEvent
-from tokenfuse.engine.options import EnsembleOptions, options_error, own_params
 from tokenfuse.engine.speculative import Speculator
 from tokenfuse.engine.timer import StageTimer
-from tokenfuse.engine.trace import PromptPiece, TopEntry, Trace, TraceOptions, TraceStep, end_text, entry_text
+from tokenfuse.engine.trace import (
+    PromptPiece,
+    TopEntry,
+    Trace,
+    TraceOptions,
+    TraceStep,
+    end_text,
+    entry_text,
+)
 from tokenfuse.errors import ConfigError
 from tokenfuse.members.base import Member
-
 
 _open: weakref.WeakSet[Ensemble] = weakref.WeakSet()  # every ensemble made, held weakly until exit
 # the step decision by what the combiner needs of the members (``Combiner.needs``; else ``Decider``)
@@ -142,14 +149,14 @@ class Ensemble:
 
     def describe(self) -> dict[str, Any]:
         """What this ensemble is, as plain data: the one self-description (CLI ``--json``, bench rows,
-        ``/v1/models``, eval headers). Names, not indices; ``primary`` and the drafter resolved."""
+        ``/v1/models``, eval headers): the members, then every option (the fields of ``EnsembleOptions``,
+        as plain data). Names, not indices; ``primary`` and the drafter resolved."""
         o = self.options
         return {
             "members": [{"name": m.name, "weight": w, **({"score": s} if s is not None else {})}
                         for m, w, s in zip(self.members, self.weights, self.scores)],
-            "method": o.method, "params": dict(o.params), "primary": self.members[self.primary].name,
-            "agreement_skip": o.agreement_skip, "gate": o.gate, "threshold": o.threshold, "window": o.window,
-            "scoring": o.scoring, "parallel": o.parallel,
+            **o.model_dump(),
+            "primary": self.members[self.primary].name,
             "speculative": ({"draft": self.members[self.speculator.draft].name, "k": self.speculator.k,
                              "adapt": self.speculator.adapt} if o.speculative is not None else None),
         }

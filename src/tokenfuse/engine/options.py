@@ -5,31 +5,135 @@ adaptive ones, ``tokenfuse.engine.strategies``), the primary member, thresholded
 ``threshold``), agreement skip, the re-sync window, likelihood scoring, member threads and
 speculative decoding. Every rule that needs nothing but the options is checked here, once, when
 the value is made (pydantic validation); the rules that need the members' names
-(``check_members``) are checked by the ``Ensemble``, and by a config, which knows its members,
-before the rest. ``replace`` is the one
-override rule (a different method clears the parameters; parameters merge key by key). Members'
-weights and scores are the ensemble's (``Ensemble(weights=..., scores=...)``: their config's, or
-``Ensemble.variant(weights=...)``), never written to the members.
+(``check_members``) are checked by the ``Ensemble``, and by a config (which holds these options as
+its ``options`` value beside its members). ``replace`` is the one override rule (a different method
+clears the parameters; parameters merge key by key). Members' weights and scores are the ensemble's
+(``Ensemble(weights=..., scores=...)``: their config's, or ``Ensemble.variant(weights=...)``), never
+written to the members.
+
+Each option is declared once, on its field (``Annotated[type, Option(...)]``: help, flag, where it
+cannot be honoured); every surface that gives options is built from these declarations
+(``option_fields``): the command line's flags, the server's per-request schema, the lm-eval
+plugin's model arguments, ``Ensemble.describe`` and ``EnsembleConfig.with_overrides``' keys.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+import types
+import typing
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from tokenfuse.combiners import combiner_class, validate_params
 from tokenfuse.engine.strategies import check_strategies, strategy_params
 from tokenfuse.errors import ConfigError
+
+# Where options are given (``Option.refused`` names the ones that cannot honour an option): the command
+# line's commands (``generate``; ``serve``, also ``playground``; ``bench``; ``eval``), the server's
+# per-request ``"tokenfuse"`` field (``server``) and the lm-eval plugin's model arguments (``lm_eval``).
+SURFACES = ("generate", "serve", "bench", "eval", "server", "lm_eval")
+
+
+@dataclass(frozen=True)
+class Option:
+    """What an option is on every surface that gives it (``SURFACES``), declared once beside its field
+    (``Annotated[type, Option(...)]``): each surface is built from the fields and these (the command
+    line's flags: ``tokenfuse.config.add_option_flags``; the server's request schema; the lm-eval
+    plugin's model arguments), so a new option is one field.
+
+    * ``help``: its one-line help (the flag's, the request field's description);
+    * ``flag``: the command line's flag (default ``--`` and the name with dashes); ``metavar`` its value's name;
+    * ``text``: how it is written as text where that is not plain (help and messages);
+    * ``sub``: for an option that is a model of its own (``speculative``), a flag per sub-field:
+      ``{field: Option(help, flag=...)}`` (the option's own flag then switches it on with the defaults);
+    * ``refused``: ``{surface: why}`` for each surface that cannot honour it; there it is refused
+      with a message naming the option, the surface and why (never silently dropped).
+    """
+
+    help: str
+    flag: str | None = None
+    metavar: str | None = None
+    text: str | None = None
+    sub: Mapping[str, Option] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.refused) - set(SURFACES)
+        if unknown:
+            raise ValueError(f"Option.refused: unknown surface(s) {', '.join(sorted(unknown))}; surfaces: "
+                             f"{', '.join(SURFACES)}")
+
+
+def option_of(info: FieldInfo) -> Option | None:
+    """The ``Option`` declared on a field (``Annotated`` metadata), if any."""
+    return next((m for m in info.metadata if isinstance(m, Option)), None)
+
+
+def option_fields(model: type[BaseModel] | None = None, surface: str | None = None) -> dict[str, tuple[FieldInfo, Option]]:
+    """The declared options of ``model`` (default ``EnsembleOptions``; a subclass adds its own) in field
+    order, each ``(field, Option)``; with ``surface``, only those it honours. A field without an
+    ``Option`` is an error: every option is declared on every surface."""
+    fields = (model or EnsembleOptions).model_fields
+    out = {}
+    for name, info in fields.items():
+        opt = option_of(info)
+        if opt is None:
+            raise TypeError(f"{(model or EnsembleOptions).__name__}.{name}: an option field needs its declaration, "
+                            "Annotated[type, Option(help=...)] (tokenfuse.engine.options.Option)")
+        if surface is None or surface not in opt.refused:
+            out[name] = (info, opt)
+    return out
+
+
+def union_args(annotation: Any) -> tuple[Any, ...]:
+    """The types of a union (``int | str`` -> ``(int, str)``), or the one type."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def bare(annotation: Any) -> Any:
+    """A field's type without ``None`` (``float | None`` -> ``float``)."""
+    args = [a for a in union_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 else functools.reduce(operator.or_, args)
+
+
+def kind(annotation: Any) -> str:
+    """How an option is written as flags: ``switch``, ``choice``, ``mapping``, ``list``, ``model`` or ``value``."""
+    t = bare(annotation)
+    origins = {typing.get_origin(a) or a for a in union_args(t)}
+    if t is bool:
+        return "switch"
+    if typing.get_origin(t) is Literal:
+        return "choice"
+    if list in origins:
+        return "list"
+    if dict in origins:
+        return "mapping"
+    if isinstance(t, type) and issubclass(t, BaseModel):
+        return "model"
+    return "value"
+
+
+def refusal(name: str, opt: Option, surface: str) -> str:
+    """The one message refusing option ``name`` on ``surface``."""
+    where = {"server": "the server's per-request options", "lm_eval": "the lm-eval plugin's model arguments"}
+    return (f"{name}: not taken by {where.get(surface, f'`tokenfuse {surface}`')}: {opt.refused[surface]}")
 
 
 class SpeculativeOptions(BaseModel):
@@ -69,16 +173,42 @@ class EnsembleOptions(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    method: str = "gac"
-    params: dict[str, Any] = Field(default_factory=dict)
-    primary: str | None = None
-    agreement_skip: bool | None = None
-    gate: str | None = None
-    threshold: float | None = Field(None, ge=0, le=1)
-    window: int = Field(8, ge=1, le=256)
-    scoring: Literal["one-forward", "stepwise"] = "one-forward"
-    parallel: bool = True
-    speculative: SpeculativeOptions | None = None
+    method: Annotated[str, Option(
+        "combiner: gac (default), unite, deepen, contrast, byte (byte by byte)",
+        refused={"eval": "it runs the methods of --methods (the config's own: `method:` in --config)"})] = "gac"
+    params: Annotated[dict[str, Any], Option(
+        "the method's parameters and the adaptive ones, e.g. k=5 for unite", flag="--param",
+        text="KEY=VALUE (repeatable); model_args: a YAML mapping, params={k: 5}")] = Field(default_factory=dict)
+    primary: Annotated[str | None, Option("primary member (default: the highest score in the config, else the first)",
+                                          metavar="NAME")] = None
+    agreement_skip: Annotated[bool | None, Option(
+        "skip alignment when every member's top piece agrees (default: on for greedy gac/unite, and contrast "
+        "with beta 0)")] = None
+    gate: Annotated[str | None, Option("gate member of --threshold (default: the primary member)", metavar="NAME")] = None
+    threshold: Annotated[float | None, Option(
+        "thresholded mode: ensemble only when the gate's top probability <= T", metavar="T")] = Field(None, ge=0, le=1)
+    window: Annotated[int, Option("look-behind window (member tokens) for re-synchronisation (default 8)",
+                                  metavar="N")] = Field(8, ge=1, le=256)
+    scoring: Annotated[Literal["one-forward", "stepwise"], Option(
+        "likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")] = "one-forward"
+    parallel: Annotated[bool, Option(
+        "forward the members in threads (default: on)",
+        refused={"server": "the member threads are the server's own (serve's --parallel/--no-parallel or the "
+                           "config)"})] = True
+    speculative: Annotated[SpeculativeOptions | None, Option(
+        "speculative decoding (greedy only; the same output as without it on transformers members, not always on "
+        "llama.cpp ones, and measured slower there: docs/benchmarks.md)",
+        sub={"draft": Option("the drafting member (implies --speculative; default: the smallest)", flag="--draft",
+                             metavar="NAME"),
+             "k": Option("pieces drafted per round at most (implies --speculative; default 4)", flag="--draft-k",
+                         metavar="K")},
+        refused={"bench": "bench times speculative decoding in its own rows (--speculative-k)"})] = None
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _speculative_switch(cls, value: Any) -> Any:
+        """``true``: on with the defaults; ``false``: off (a switch, as the command line's ``--speculative``)."""
+        return ({} if value else None) if isinstance(value, bool) else value
 
     @field_validator("params", mode="before")
     @classmethod
@@ -91,11 +221,20 @@ class EnsembleOptions(BaseModel):
         return read_old_spellings(data)
 
     @model_validator(mode="after")
-    def _consistent(self) -> EnsembleOptions:
+    def _consistent(self, info: ValidationInfo) -> EnsembleOptions:
+        """The options' rules; those that need the members' names first where they are known when the
+        options are made (a config's: validation context ``members``, ``(names, weights, hint)``;
+        bare options meet their members in the ``Ensemble``)."""
+        members = (info.context or {}).get("members")
         try:
             validate_params(self.method, self.params, extra=strategy_params())
             self._check_lacks()
-            self._check_known_members()
+            if members is not None:
+                names, weights, hint = members
+                try:
+                    self.check_members(names, weights)
+                except ConfigError as err:
+                    raise ConfigError(str(err) + hint) from None
             check_strategies(self)
         except ConfigError as err:
             raise ValueError(str(err)) from None
@@ -109,19 +248,10 @@ class EnsembleOptions(BaseModel):
             if value is not None:
                 method.refuse(name)
 
-    def _check_known_members(self) -> None:
-        """``check_members`` where the members are known when the options are made (a config's);
-        bare options meet their members in the ``Ensemble``."""
-
     @property
     def primary_label(self) -> str:
         """The primary member as an error message names it."""
         return self.primary or "the primary member"
-
-    @property
-    def options(self) -> EnsembleOptions:
-        """The options alone (an ``EnsembleConfig`` is these plus members, placement and decoding)."""
-        return EnsembleOptions.model_validate({k: getattr(self, k) for k in EnsembleOptions.model_fields})
 
     def replace(self, **changes: Any) -> EnsembleOptions:
         """These options with ``changes`` applied and validated again (``merged`` says how)."""
@@ -242,10 +372,12 @@ def own_params(options: EnsembleOptions) -> dict[str, Any]:
 
 def options_error(err: ValidationError, origin: str | None = None) -> str:
     """Every validation error on one line, each naming its field: ``<origin>: members.1.weight: ...``
-    (the options' own checks name their field in the message)."""
+    (the options' own checks name their field in the message; a config's ``options`` value is named
+    as it is written, at the top level: ``threshold``, not ``options.threshold``)."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        where = e["loc"][1:] if e["loc"][:1] == ("options",) else e["loc"]  # a config's options: named as written
+        loc = ".".join(str(p) for p in where)
         msg = e["msg"].removeprefix("Value error, ")
         text = f"{loc}: {msg}" if loc else msg
         lines.append(f"{origin}: {text}" if origin else text)

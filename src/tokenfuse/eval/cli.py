@@ -9,11 +9,12 @@ import time
 from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
 from tokenfuse.eval.answers import DEFAULT_SAMPLES, DEFAULT_TEMPERATURE
+from tokenfuse.eval.batches import FORMS
 from tokenfuse.eval.methods import ALL_METHODS, DEFAULT_THRESHOLD
 from tokenfuse.eval.report import markdown_table
-from tokenfuse.eval.batches import FORMS
 from tokenfuse.eval.runner import DEFAULT_TASKS, EvalSettings, run_eval
 from tokenfuse.eval.score_cli import add_pruning_arguments
+from tokenfuse.flags import add_option_flags, config_from_args, refuse_option_flags
 
 
 def _int_map(text: str | None, flag: str) -> dict[str, int]:
@@ -40,6 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="ensemble config YAML (members, weights, gate/threshold, unite params)")
     src.add_argument("--models", help="comma-separated members (default: the three bundled models)")
+    add_option_flags(p, "eval", own=("gate", "threshold"))  # the ensemble options; these two are gac-threshold's
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="comma-separated tasks (default: all)")
     p.add_argument("--methods", default="single,gac,gac-threshold,unite,deepen,vote,mbr",
                    help=f"comma-separated subset of {','.join(ALL_METHODS)} (seq-avg is added in likelihood form)")
@@ -53,7 +55,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="items per generate call (default 8)")
     p.add_argument("--num-fewshot", type=int, help="override every task's number of shots")
     p.add_argument("--seed", type=int, default=1234, help="seed of the item subsets (default 1234)")
-    p.add_argument("--primary", help="primary member (vote ties, likelihood segmentation)")
     p.add_argument("--gate", dest="eval_gate", help="gate of gac-threshold (default: the config's gate, else the task's primary member)")
     p.add_argument("--threshold", dest="eval_threshold", type=float, help="threshold of gac-threshold (default: the config's, else 0.5)")
     p.add_argument("--dev-limit", type=int, help="auto: dev items per task it chooses on (default 500 in the "
@@ -72,11 +73,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "sc:<member> row takes k × members of its member's samples (the same budget)")
     p.add_argument("--sample-temperature", type=float, default=DEFAULT_TEMPERATURE,
                    help=f"mux/sc: temperature of the samples (default {DEFAULT_TEMPERATURE}; seeded from --seed)")
-    p.add_argument("--scoring", choices=("one-forward", "stepwise"),
-                   help="likelihood scoring path (default one-forward; stepwise: the piece-by-piece reference)")
     add_pruning_arguments(p, "--tasks text-bytes: the byte models' pruning: ")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars (the one-line messages per task and per dev stage stay)")
+    refuse_option_flags(p, "eval")
     return p
 
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         raise TokenfuseError(f"--batch-size: expected 1 or more, got {args.batch_size}")
     if args.eval_threshold is not None and not 0 <= args.eval_threshold <= 1:
         raise TokenfuseError(f"--threshold: expected a number in [0, 1], got {args.eval_threshold}")
-    cfg = EnsembleConfig.from_args(args)
+    cfg = config_from_args(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     for own in ("text", "text-bytes"):
         if own in tasks:
@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_text(cfg: EnsembleConfig, args: argparse.Namespace, task: str = "text") -> int:
     from tokenfuse.engine.text_features import Rows
-    from tokenfuse.eval.text import TextSettings, markdown, run_text
     from tokenfuse.eval.score_cli import pruning_of
+    from tokenfuse.eval.text import TextSettings, markdown, run_text
     from tokenfuse.eval.text_bytes import run_text_bytes
     from tokenfuse.load import load_ensemble
 

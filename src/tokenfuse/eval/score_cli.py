@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenfuse.config import EnsembleConfig
 from tokenfuse.errors import TokenfuseError
+from tokenfuse.flags import config_from_args
 
 DEFAULT_ALPHA = 0.01
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bytes and args.pieces:
         raise TokenfuseError("--pieces: the token-level rows' pieces; --bytes scores byte rows (leave one out)")
     texts = [_read(f) for f in args.files]
-    cfg = EnsembleConfig.from_args(args)
+    cfg = config_from_args(args)
     ens = load_ensemble(cfg, progress=not args.json)
     names = [m.name for m in ens.members]
     w = np.array(ens.weights, dtype=np.float64)

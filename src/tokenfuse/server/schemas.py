@@ -9,41 +9,77 @@ OpenAI-compatible servers do.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
+
+from tokenfuse.config import override_fields
+from tokenfuse.engine.options import EnsembleOptions, Option, bare, kind, refusal
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TokenfuseOptions(_Strict):
-    """Per-request ensemble options (the request's ``"tokenfuse"`` field).
-
-    Any of the config's ensemble fields: ``method`` (``gac``, ``unite``, ...), ``params`` (the
-    method's parameters, e.g. ``{"k": 5}``), ``threshold`` (thresholded GaC; ``gate``: its member, default the primary),
-    ``primary``, ``agreement_skip``, and ``weights`` (a list in member order, or
-    ``{"member name": weight}``). Members stay loaded once; each distinct option set gets its own
-    light ``Ensemble`` on them. ``trace`` (with ``trace_k``, each member's top-k, default 5) asks
-    for the step trace in the response; it does not change the ensemble.
-    """
-
-    method: str | None = None
-    params: dict[str, Any] | None = None
-    gate: str | None = None
-    threshold: float | None = Field(None, ge=0, le=1)
-    primary: str | None = None
-    agreement_skip: bool | None = None
-    weights: list[float] | dict[str, float] | None = None
-    trace: bool = False
-    trace_k: int = Field(5, ge=1, le=20)
+class _RequestOptions(_Strict):
+    """Per-request ensemble options (the request's ``"tokenfuse"`` field): built from the options'
+    declarations (``request_options_model``)."""
 
     def as_options(self) -> dict | None:
         """The ensemble options (the trace fields are not any)."""
         d = self.model_dump(exclude_none=True, exclude={"trace", "trace_k"})
         return d or None
+
+
+def request_options_model(options: type[EnsembleOptions] | None = None) -> type[_RequestOptions]:
+    """The schema of the request's ``"tokenfuse"`` field, from the overrides' declarations
+    (``tokenfuse.config.override_fields``; ``options`` default ``EnsembleOptions``): each option the
+    server honours as an optional field of the option's type and constraints (``null``/left out: the
+    config's; an option that is a model, ``speculative``, also ``true``/``false``: on with the
+    defaults / off), each it does not (``Option.refused``) refused with a 400 naming it and why; and
+    ``trace``/``trace_k``."""
+    fields: dict[str, Any] = {}
+    refused: dict[str, str] = {}
+    for name, (info, opt) in override_fields(options).items():
+        if "server" in opt.refused:
+            fields[name] = (Any, Field(None, description=refusal(name, opt, "server")))
+            refused[name] = refusal(name, opt, "server")
+            continue
+        t = bare(info.annotation)
+        t = t | bool if kind(info.annotation) == "model" else t
+        constraints = [m for m in info.metadata if not isinstance(m, Option)]
+        fields[name] = (Annotated[(t, *constraints)] | None if constraints else t | None,
+                        Field(None, description=opt.help))
+    fields["trace"] = (bool, False)
+    fields["trace_k"] = (int, Field(5, ge=1, le=20))
+
+    def refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        raise ValueError(refused[info.field_name])
+
+    validators = {"_refused": field_validator(*refused, mode="before")(refuse)} if refused else {}
+    return create_model("TokenfuseOptions", __base__=_RequestOptions, __validators__=validators,
+                        __doc__=TOKENFUSE_OPTIONS_DOC, **fields)
+
+
+TOKENFUSE_OPTIONS_DOC = """Per-request ensemble options (the request's ``"tokenfuse"`` field).
+
+Every ensemble option the server honours, as in the config (``method``, ``params``, ``primary``,
+``gate``, ``threshold``, ``agreement_skip``, ``window``, ``scoring``, ``speculative``: built from the
+options' declarations, ``request_options_model``), and ``weights`` (a list in member order, or
+``{"member name": weight}``). Members stay loaded once; each distinct option set gets its own
+light ``Ensemble`` on them. ``trace`` (with ``trace_k``, each member's top-k, default 5) asks for
+the step trace in the response; it does not change the ensemble.
+"""
+
+TokenfuseOptions = request_options_model()
 
 
 class StreamOptions(BaseModel):
@@ -68,7 +104,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    tokenfuse: TokenfuseOptions | None = None
+    tokenfuse: TokenfuseOptions | None = None  # type: ignore[valid-type]
 
     @field_validator("stop")
     @classmethod
