@@ -232,8 +232,8 @@ def test_ensemble_rejects_bad_setups(trio):
         Ensemble([])
     with pytest.raises(ConfigError, match="unique"):
         Ensemble([a, a])
-    with pytest.raises(ConfigError, match="^gate"):
-        Ensemble([a, b], threshold=0.5)
+    with pytest.raises(ConfigError, match="^threshold: gate 'A' needs a threshold"):
+        Ensemble([a, b], gate="A")
     with pytest.raises(ConfigError, match="'nobody' is not a member"):
         Ensemble([a, b], gate="nobody", threshold=0.5)
     with pytest.raises(ConfigError, match="method.*available: byte, contrast, deepen, gac, unite"):

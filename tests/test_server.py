@@ -180,6 +180,7 @@ def test_tokenfuse_options(client, members, align_cache):
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "x", "tokenfuse": {"method": "nope"}}, 400, "tokenfuse"),
     ({"prompt": "x", "tokenfuse": {"gate": "A"}}, 400, "tokenfuse"),
+    ({"prompt": "", "tokenfuse": {"weights": {"\n": None}}}, 400, "tokenfuse.weights.\\n"),
     ({"prompt": "x", "tokenfuse": {"weights": [1, 2]}}, 400, "tokenfuse"),
     ({"prompt": "x", "tokenfuse": {"colour": "red"}}, 400, "tokenfuse.colour"),
     ({"prompt": "x", "tokenfuse": {"params": {"k": 0}, "method": "unite"}}, 400, "tokenfuse"),
@@ -194,7 +195,7 @@ def test_errors(client, request_body, status, param):
     r = client.post("/v1/completions", json=request_body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"]
     assert err["param"] == param
     assert err["type"] == "invalid_request_error"
 

@@ -214,7 +214,8 @@ def _where(error: dict, body: object) -> str:
 
     The path follows the error's ``loc`` through the body; the labels pydantic adds for the
     branches of a union (``prompt.str``, ``content.list[ContentPart]``) are not in the body and are
-    left out, and a missing field's name ends the path.
+    left out, and a missing field's name ends the path. A key's control characters are written escaped
+    (the message stays one line).
     """
     loc = list(error.get("loc", ()))
     if loc[:1] == ["body"]:
@@ -232,7 +233,7 @@ def _where(error: dict, body: object) -> str:
             pass  # the missing field itself
         else:
             break
-        path.append(str(part))
+        path.append("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(part)))  # a key "\n" as \n
     return ".".join(path)
 
 
