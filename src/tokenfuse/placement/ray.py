@@ -113,7 +113,8 @@ class RayMember(Member):
     ``call_timeout``: seconds any one call may take (``None``: no limit).
     """
 
-    def __init__(self, actor: Any, info: dict, *, call_timeout: float | None = None) -> None:
+    def __init__(self, actor: Any, info: dict, *, call_timeout: float | None = None,
+                 placement_group: Any = None, group: Shared | None = None) -> None:
         self.actor = actor
         self.name = info["name"]
         self.weight = float(info["weight"])
@@ -122,7 +123,8 @@ class RayMember(Member):
         self.context_length = info["context_length"]
         self.load_seconds = info["load_seconds"]
         self.call_timeout = call_timeout
-        self.group: Shared | None = None  # its placement group, removed when its last member unloads
+        self.placement_group = placement_group  # the Ray placement group its actor runs in
+        self.group = group  # its placement group, removed when its last member unloads (``Shared``, taken)
         self._keys = itertools.count()
         self._fresh = 0  # sequence keys below this one may be gone from the actor (it failed)
 
@@ -239,11 +241,9 @@ def place_members(factories: Sequence[Callable[[], Member]], *, num_cpus: Sequen
         for i, (f, c, g) in enumerate(zip(factories, num_cpus, num_gpus))
     ]
     infos = ray.get([a.info.remote() for a in actors])
-    members = [RayMember(a, info, call_timeout=call_timeout) for a, info in zip(actors, infos)]
     group = Shared(functools.partial(remove_placement_group, pg))
-    for m in members:
-        m.placement_group, m.group = pg, group.take()
-    return members
+    return [RayMember(a, info, call_timeout=call_timeout, placement_group=pg, group=group.take())
+            for a, info in zip(actors, infos)]
 
 
 def load_ray_members(cfg, *, root: Path, progress: bool = True) -> list[RayMember]:
