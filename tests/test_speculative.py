@@ -118,6 +118,7 @@ def test_k_adapts_to_what_is_accepted(members, align_cache):
         before = s.counts.accepted
         spec.step([s])
         assert s.draft_k == max(1, min(6, s.counts.accepted - before + 1))
+        assert (s.accepted, s.drafted, s.ensembled) == (s.counts.accepted, s.counts.drafted, s.counts.ensembled)
     spec.close(s)
     fixed = speculative(members, align_cache, "gac", draft="B", k=2, adapt=False)
     g = fixed.generate("The weather today", max_new_tokens=30)

@@ -123,6 +123,9 @@ class OpenSequence:
             (``tokenfuse.engine.bytegen.NOTE``).
         draft_k: the number of pieces speculative decoding's next round drafts (0: the configured
             ``k``); ``record_round`` updates it.
+
+    ``ensembled``, ``skipped``, ``vetoed``, ``drafted`` and ``accepted`` read ``counts`` (the sequence's
+    attributes of those names before they were one value, kept for readers).
     """
 
     index: int
@@ -141,6 +144,11 @@ class OpenSequence:
     notes: dict[str, Any] = field(default_factory=dict)
     draft_k: int = 0
     _emitted: int = 0
+    ensembled = property(attrgetter("counts.ensembled"))
+    skipped = property(attrgetter("counts.skipped"))
+    vetoed = property(attrgetter("counts.vetoed"))
+    drafted = property(attrgetter("counts.drafted"))
+    accepted = property(attrgetter("counts.accepted"))
 
     # ------------------------------------------------------------------ a step
     def apply(self, d: Decision) -> StepEvent:
