@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tokenfuse.combiners.mixers import ONLINE_RATES
 from tokenfuse.engine import Likelihood
 from tokenfuse.config import config_from_models, parse_config
 from tokenfuse.eval.methods import MethodSpec, answer_key, majority_vote, mbr_select, parse_methods, plan_methods
@@ -170,10 +171,11 @@ def test_byte_rows_are_the_byte_method_with_its_mixer():
     from tokenfuse.config import parse_config
 
     cfg = parse_config({"members": [{"name": "a"}, {"name": "b"}]})
-    specs = plan_methods(cfg, ["byte-mix", "byte-gate"], form="likelihood", registered=["gac", "byte"], log=lambda m: None)
+    specs = plan_methods(cfg, ["byte-mix", "byte-gate", "byte-online"], form="likelihood", registered=["gac", "byte"],
+                         log=lambda m: None)
     rows = {s.name: cfg.with_overrides(**s.overrides) for s in specs if s.overrides}
     assert (rows["byte-mix"].method, rows["byte-mix"].params) == ("byte", {"mix": "mixture"})
-    assert rows["byte-gate"].params == {"mix": "gate"}
+    assert rows["byte-gate"].params == {"mix": "gate"} and rows["byte-online"].params == {"mix": "online"}
     own = parse_config({"members": [{"name": "a"}, {"name": "b"}], "method": "byte",
                         "params": {"fit": "fit.json", "mix": "switch", "alpha": 0.2}})
     specs = plan_methods(own, ["byte-gate"], form="generate", registered=["byte"], log=lambda m: None)
@@ -360,12 +362,15 @@ def test_byte_rows_are_fit_on_the_tasks_dev_items(tiny_pair, data_dir, tmp_path)
            enumerate([("Which is cold?", ["ice", "fire"], "A"), ("Which is wet?", ["sand", "rain"], "B")])]
     (data_dir / "arc" / "easy_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dev), encoding="utf-8")
     logs: list[str] = []
-    settings = EvalSettings(tasks=["arc_easy"], methods=["byte-mix", "byte-gate"], limit=2, data=str(data_dir),
-                            out=str(tmp_path), batch_size=2, num_fewshot=0, progress=False)
+    settings = EvalSettings(tasks=["arc_easy"], methods=["byte-mix", "byte-gate", "byte-online"], limit=2,
+                            data=str(data_dir), out=str(tmp_path), batch_size=2, num_fewshot=0, progress=False)
     run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=union, log=logs.append)
     fit = json.loads((tmp_path / "fits" / "arc_easy.json").read_text())
     assert fit["members"] == ["s", "q"] and fit["dev_items"] == 2 and math.isclose(sum(fit["fitted"]["byte-mix"]["weights"]), 1)
     assert len(fit["fitted"]["byte-gate"]["gate"]) == 2 + 2 * 2 * 2
+    assert fit["fitted"]["byte-online"]["gate"] == fit["fitted"]["byte-gate"]["gate"]
+    assert fit["fitted"]["byte-online"]["rate"] in ONLINE_RATES
+    assert len([json.loads(x) for x in (tmp_path / "items" / "arc_easy-likelihood" / "byte-online.jsonl").open()]) == 2
     spec = json.loads((tmp_path / "items" / "arc_easy-likelihood" / "byte-gate.spec.json").read_text())
     assert spec["overrides"]["params"] == {"mix": "gate", "fit": str(tmp_path / "fits" / "arc_easy.json")}
     rows = [json.loads(x) for x in (tmp_path / "items" / "arc_easy-likelihood" / "byte-mix.jsonl").open()]
@@ -373,6 +378,11 @@ def test_byte_rows_are_fit_on_the_tasks_dev_items(tiny_pair, data_dir, tmp_path)
     assert sum("fitting the byte rows" in m for m in logs) == 1
     run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=union, log=logs.append)
     assert sum("fitting the byte rows" in m for m in logs) == 1  # made once
+    del fit["fitted"]["byte-online"]  # a fit made before the row existed is made again (the same dev items)
+    (tmp_path / "fits" / "arc_easy.json").write_text(json.dumps(fit))
+    run_eval(config_from_models("s,q", primary="s"), settings, members=members, union=union, log=logs.append)
+    again = json.loads((tmp_path / "fits" / "arc_easy.json").read_text())
+    assert sum("fitting the byte rows" in m for m in logs) == 2 and again["fitted"]["byte-gate"] == fit["fitted"]["byte-gate"]
 
 
 def test_byte_rows_generate_four_bytes_for_each_token_of_the_limit(tiny_pair, data_dir, tmp_path):
