@@ -27,7 +27,7 @@ from tokenfuse.combiners.base import FEATURES
 from tokenfuse.bundled import DEFAULT_ENSEMBLE
 from tokenfuse.combiners.bytemix import ByteParams, load_fit
 from tokenfuse.combiners.mixers import RATES, Fitted, mixed_logprobs
-from tokenfuse.engine import Ensemble
+from tokenfuse.engine import Ensemble, RowMemo
 from tokenfuse.engine.bytegen import ByteDecider, choose, inverse_cdf, utf8_allowed
 from tokenfuse.engine.decide import Decider
 from tokenfuse.engine.options import EnsembleOptions
@@ -391,6 +391,23 @@ def test_loglikelihood_is_the_mixed_byte_models_of_the_whole_text(pair, align_ca
         assert lk.logprob == pytest.approx(sum(lk.piece_logprobs), abs=1e-12)
     head, tail = ens.loglikelihood([(ctx, " ba"), (ctx + " ba", " ab")])
     assert head.logprob + tail.logprob == pytest.approx(got[1].logprob, abs=1e-5)
+
+
+def test_byte_rows_sharing_a_memo_run_each_member_once_and_give_the_same_numbers(pair, align_cache, tmp_path):
+    """The rows that differ only in their mixer, scoring the same requests with one ``RowMemo``: each
+    member's byte models of a context's continuations are made once (the first row's misses, then hits),
+    and every row's numbers are those it gives alone."""
+    fit = _gate_fit(tmp_path, [m.name for m in pair])
+    rows = [Ensemble(pair, method="byte", params={"mix": mix} | ({"fit": fit} if mix != "mixture" else {}),
+                     align_cache=align_cache) for mix in ("mixture", "gate", "online")]
+    requests = [("Q: ab?\nA:", " ab"), ("Q: ab?\nA:", " ba"), ("Q: b?\nA:", " b")]
+    alone = [ens.loglikelihood(requests) for ens in rows]
+    memo = RowMemo()
+    shared = [ens.loglikelihood(requests, memo=memo) for ens in rows]
+    assert (memo.misses, memo.hits) == (2 * len(pair), 2 * 2 * len(pair))  # 2 contexts × members, then twice hits
+    for a, b in zip(alone, shared):
+        assert [x.piece_logprobs for x in a] == [x.piece_logprobs for x in b]
+    assert len({tuple(x.logprob for x in got) for got in shared}) == 3  # three mixers, three answers
 
 
 def test_one_byte_continuations_and_the_end_sum_to_one(pair, align_cache):

@@ -27,7 +27,7 @@ from tokenfuse.alignment.bytetree import TokenBytes
 from tokenfuse.alignment.bytemodel import ByteModel
 from tokenfuse.alignment.byteview import Lookahead
 from tokenfuse.combiners.mixers import Fitted, Mixer
-from tokenfuse.engine.likelihood import Likelihood
+from tokenfuse.engine.likelihood import Likelihood, RowMemo
 from tokenfuse.engine.pool import MemberPool
 from tokenfuse.engine.prompt import Prompt, TwoFormPrompt
 from tokenfuse.engine.text_features import primary_tokens
@@ -37,19 +37,28 @@ from tokenfuse.members.base import Member
 
 def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[int], TokenBytes], pool: MemberPool,
                        requests: Sequence[tuple[Prompt, str]], *, chat: bool = False,
-                       weights: Sequence[float]) -> list[Likelihood]:
+                       weights: Sequence[float], memo: RowMemo | None = None) -> list[Likelihood]:
     """Each ``(context, continuation)``'s log-likelihood on bytes (the module docstring); ``combiner``: the
     ``byte`` method's (``params``, ``new_mixer``), ``tables(i)``: member ``i``'s tokens by bytes,
-    ``weights``: the ensemble's weights of ``members``."""
+    ``weights``: the ensemble's weights of ``members``; ``memo``: shares each member's byte models of a
+    context's continuations with other scorings under the same pruning (other mixers' rows)."""
     live = _live(weights, combiner)
     texts = [(_context(ctx, chat), cont) for ctx, cont in requests]
     groups: dict[str, list[int]] = {}
     for k, (ctx, _) in enumerate(texts):
         groups.setdefault(ctx, []).append(k)
     out: list[Likelihood | None] = [None] * len(requests)
+    pruning = combiner.params.pruning
     for ctx, ks in groups.items():
         conts = [texts[k][1] for k in ks]
-        lps = pool.run(live, lambda i: member_byte_logprobs(members[i], tables(i), combiner.params.pruning, ctx, conts))
+
+        def run(i: int, ctx: str = ctx, conts: list[str] = conts) -> list[np.ndarray]:
+            def make() -> list[np.ndarray]:
+                return member_byte_logprobs(members[i], tables(i), pruning, ctx, conts)
+
+            return make() if memo is None else memo.byte_logprobs(members[i], pruning, ctx, conts, make)
+
+        lps = pool.run(live, run)
         n_ctx = len(ctx.encode("utf-8"))
         for j, (k, cont) in enumerate(zip(ks, conts)):
             p = np.exp(np.stack([lps[i][j] for i in live], axis=1))

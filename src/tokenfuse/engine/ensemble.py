@@ -333,7 +333,7 @@ class Ensemble:
         e.g. by other ensembles on the same loaded members."""
         if self.combiner.needs == "bytes":  # the byte method scores bytes (engine/bytescore.py)
             return byte_loglikelihood(self.members, self.combiner, self.decider.table, self.pool, requests, chat=chat,
-                                      weights=self.weights)
+                                      weights=self.weights, memo=memo)
         if stepwise is None:
             stepwise = self.options.scoring == "stepwise"
         return self._score(requests, chat=chat, stepwise=stepwise, memo=memo)

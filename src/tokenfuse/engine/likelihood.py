@@ -49,9 +49,11 @@ measured where they do not.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from tokenfuse.engine.decide import Decider
@@ -90,12 +92,28 @@ def primary_pieces(decider: Decider, text: str) -> list[int]:
 class RowMemo:
     """Members' log-probability rows by (member name, its ids before each piece of one request):
     a later scoring that would feed a member exactly those id lists takes the rows from here.
-    ``hits``/``misses`` count requests × members."""
+    ``hits``/``misses`` count requests × members. On bytes (``byte_logprobs``) it keeps each member's
+    byte-model log-probabilities of a context's continuations, so the byte rows that differ only in
+    their mixer (``byte-mix``, ``byte-gate``, ``byte-online``) run each member's byte model once."""
 
     def __init__(self) -> None:
         self._rows: dict[tuple[str, tuple[tuple[int, ...], ...]], list[torch.Tensor]] = {}
+        self._bytes: dict[tuple, list[np.ndarray]] = {}
         self.hits = 0
         self.misses = 0
+
+    def byte_logprobs(self, member: Member, pruning: Any, context: str, continuations: Sequence[str],
+                      make: Callable[[], list[np.ndarray]]) -> list[np.ndarray]:
+        """``member``'s byte-model log-probabilities of ``context + c`` for each continuation under
+        ``pruning`` (a hashable ``Pruning``): kept from an earlier call with the same key, else ``make()``."""
+        key = (member.name, pruning, context, tuple(continuations))
+        got = self._bytes.get(key)
+        if got is None:
+            self.misses += 1
+            got = self._bytes[key] = make()
+        else:
+            self.hits += 1
+        return got
 
     @staticmethod
     def key(member: Member, before: list[list[int]]) -> tuple[str, tuple[tuple[int, ...], ...]]:
