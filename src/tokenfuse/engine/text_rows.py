@@ -151,6 +151,12 @@ def simplex(n: int, step: float) -> list[np.ndarray]:
     return [np.array(c, dtype=np.float64) / m for c in itertools.product(range(m + 1), repeat=n) if sum(c) == m]
 
 
+def fit_doc_mix(totals: np.ndarray) -> Fitted:
+    """``doc-mix``'s weights: EM on the dev documents' totals (``[documents, members]``: each member's
+    log-probability of each document)."""
+    return Fitted(weights=em_weights(totals))
+
+
 def fit(dev: Sequence[DocFeatures], n_members: int) -> dict[str, Fitted]:
     """Every row's parameters from dev documents' features (nothing else)."""
     doc_ll = np.array([[np.sum(f.single[i]) for i in range(n_members)] for f in dev])
@@ -163,7 +169,7 @@ def fit(dev: Sequence[DocFeatures], n_members: int) -> dict[str, Fitted]:
         return float(sum(np.sum(poe_logprobs(c[0], c[1], f, beta)) for c, f in zip(comps, dev)))
 
     best_beta = max(simplex(n_members, POE_GRID), key=poe_total)
-    return {"doc-mix": Fitted(weights=em_weights(doc_ll)), "gac": Fitted(weights=w_tok),
+    return {"doc-mix": fit_doc_mix(doc_ll), "gac": Fitted(weights=w_tok),
             "switch": Fitted(weights=w_tok, alpha=alpha), "poe": Fitted(beta=best_beta)}
 
 

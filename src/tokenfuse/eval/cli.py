@@ -14,6 +14,7 @@ from tokenfuse.eval.methods import ALL_METHODS, DEFAULT_THRESHOLD
 from tokenfuse.eval.report import markdown_table
 from tokenfuse.eval.runner import DEFAULT_TASKS, EvalSettings, run_eval
 from tokenfuse.eval.score_cli import add_pruning_arguments
+from tokenfuse.eval.text_runs import TEXT_RUNS
 from tokenfuse.flags import add_option_flags, config_from_args, refuse_option_flags
 
 
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise TokenfuseError(f"--threshold: expected a number in [0, 1], got {args.eval_threshold}")
     cfg = config_from_args(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    for own in ("text", "text-bytes"):
+    for own in TEXT_RUNS:
         if own in tasks:
             if tasks != [own]:
                 raise TokenfuseError(f"--tasks: {own} (bits per byte of held-out documents) runs on its own: "
@@ -124,17 +125,16 @@ def run(args: argparse.Namespace) -> int:
 def _run_text(cfg: EnsembleConfig, args: argparse.Namespace, task: str = "text") -> int:
     from tokenfuse.engine.text_features import Rows
     from tokenfuse.eval.score_cli import pruning_of
-    from tokenfuse.eval.text import TextSettings, markdown, run_text
-    from tokenfuse.eval.text_bytes import run_text_bytes
+    from tokenfuse.eval.text import TextSettings, run_text
     from tokenfuse.load import load_ensemble
 
     t0 = time.perf_counter()
     ens = load_ensemble(cfg, progress=not args.quiet)
     settings = TextSettings(out=args.out, data=args.data, limit=args.limit, primary=args.primary,
                             progress=not args.quiet, pruning=pruning_of(args))
-    run = run_text if task == "text" else run_text_bytes
-    results = run([Rows.from_member(m) for m in ens.members], settings)
-    print(markdown(results))
+    kind = TEXT_RUNS[task]
+    results = run_text(kind([Rows.from_member(m) for m in ens.members], settings))
+    print(kind.render(results))
     print(f"wrote {args.out}/results.json, results.md and items-{task}.jsonl ({time.perf_counter() - t0:.0f} s)",
           file=sys.stderr)
     return 0

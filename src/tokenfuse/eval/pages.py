@@ -36,8 +36,7 @@ import sys
 from pathlib import Path
 
 from tokenfuse.eval.report import markdown_table
-from tokenfuse.eval import text_bytes
-from tokenfuse.eval.text import markdown as text_markdown
+from tokenfuse.eval.text_runs import TEXT_RUNS
 
 # A section of report.markdown_table's output is named by the line just above its table.
 _CAPTIONS = {"Wall time per task": "wall", "Bootstrap 95 %": "ci", "Likelihood form, unnormalised": "raw",
@@ -50,10 +49,11 @@ _MISSING = "–"
 
 
 def render_run(run_dir: Path) -> str:
-    """The run's results.md, rendered from its results.json (a ``text`` run's by ``eval.text.markdown``, a
-    ``text-bytes`` run's by ``eval.text_bytes.render``)."""
+    """The run's results.md, rendered from its results.json (a ``text`` or ``text-bytes`` run's by its
+    ``TextRun.render``)."""
     data = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
-    render = {"text": text_markdown, "text-bytes": text_bytes.render}.get(data.get("task"), markdown_table)
+    run = TEXT_RUNS.get(data.get("task"))
+    render = run.render if run is not None else markdown_table
     return render(data)
 
 

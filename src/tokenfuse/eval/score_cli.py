@@ -137,18 +137,19 @@ def _fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: floa
     return {row: Fitted.from_dict(p) for row, p in _load_fit(path, names, "text").items()}
 
 
-def _byte_fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: float) -> tuple[dict, np.ndarray, object]:
-    """The byte rows' parameters, ``doc-mix``'s weights (``byte-gate`` only from a fit) and the pruning
-    the byte models default to: the run's where the fit comes from one."""
+def _byte_fitted(path: str | None, names: list[str], weights: np.ndarray, alpha: float) -> tuple[dict, object]:
+    """The byte rows' and ``doc-mix``'s parameters (``byte-gate`` and ``byte-online`` only from a fit) and the
+    pruning the byte models default to: the run's where the fit comes from one."""
     from tokenfuse.combiners.mixers import Fitted
     from tokenfuse.engine.text_rows import BYTE_ROWS
     from tokenfuse.eval.text_bytes import run_pruning
 
     if path is None:
-        return {"byte-mix": Fitted(weights=weights), "byte-switch": Fitted(weights=weights, alpha=alpha)}, weights, None
+        return {"byte-mix": Fitted(weights=weights), "byte-switch": Fitted(weights=weights, alpha=alpha),
+                "doc-mix": Fitted(weights=weights)}, None
     fit = _load_fit(path, names, "text-bytes")
-    rows = {row: Fitted.from_dict(fit[row]) for row in BYTE_ROWS if row in fit}  # an older fit lacks the newer rows
-    return rows, np.array(fit["doc-mix"]["weights"]), run_pruning(json.loads(Path(path).read_text()))
+    rows = {row: Fitted.from_dict(fit[row]) for row in (*BYTE_ROWS, "doc-mix") if row in fit}  # an older fit lacks the newer rows
+    return rows, run_pruning(json.loads(Path(path).read_text()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
     if args.bytes:
         from tokenfuse.eval import text_bytes
 
-        fitted, doc_w, base = _byte_fitted(args.fitted, names, w / w.sum(), args.alpha)
-        results = text_bytes.score_texts(members, texts, fitted, doc_w, pruning_of(args, base), progress=not args.json)
+        fitted, base = _byte_fitted(args.fitted, names, w / w.sum(), args.alpha)
+        results = text_bytes.score_texts(members, texts, fitted, pruning_of(args, base), progress=not args.json)
     else:
         fitted = _fitted(args.fitted, names, w / w.sum(), args.alpha)
         results = score_texts(members, texts, ens.primary, fitted, pieces=args.pieces)

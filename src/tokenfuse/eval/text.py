@@ -1,7 +1,9 @@
 """Bits per byte of held-out text under every row (``tokenfuse eval --tasks text``) and of a user's
 own files (``tokenfuse score``).
 
-The ``text`` run, resumable (each document's numbers are kept under ``--out`` as they are made):
+One flow for both text runs (``run_text``; ``text`` and ``text-bytes`` differ only in their ``TextRun``:
+what a document's numbers are, how the rows are fit and scored). The ``text`` run (``TokenRun``),
+resumable (each document's numbers are kept under ``--out`` as they are made):
 
 1. each member alone on the first ``CHOOSE_PER_DOMAIN`` dev documents of each domain (``single``); the
    **primary** is the member with the fewest bits per byte pooled over them (or ``--primary``);
@@ -92,29 +94,6 @@ def score_entry(logprob: float, nbytes: int) -> dict[str, float]:
     return {"bits_per_byte": _bits(logprob) / max(nbytes, 1), "bits": _bits(logprob)}
 
 
-def _choose_primary(members: Sequence[Rows], dev: Sequence[Document], out: Path, progress: bool) -> tuple[int, dict]:
-    """Each member alone on the dev documents (kept in ``out/dev-single.json``); the fewest bits per byte wins."""
-    path = out / "dev-single.json"
-    done: dict[str, dict[str, float]] = json.loads(path.read_text()) if path.is_file() else {}
-    nbytes = sum(d.nbytes for d in dev)
-    stderr_log(f"text dev: each of {len(members)} members alone on {len(dev)} dev documents ({nbytes:,} bytes), "
-         "to choose the primary")
-    for m in members:
-        mine = done.setdefault(m.name, {})
-        todo = [d for d in dev if d.id not in mine]
-        with progress_bar(total=len(dev), initial=len(dev) - len(todo), desc=f"dev {m.name}", unit="doc",
-                          enabled=progress) as bar:
-            for d in todo:
-                mine[d.id] = _bits(float(np.sum(single_logprobs(m, d.text))))
-                path.write_text(json.dumps(done))
-                bar.update(1)
-    bpb = {m.name: sum(done[m.name][d.id] for d in dev) / nbytes for m in members}
-    best = min(range(len(members)), key=lambda i: bpb[members[i].name])
-    stderr_log("text dev bits per byte: " + ", ".join(f"{k} {v:.4f}" for k, v in bpb.items())
-         + f" -> primary {members[best].name}")
-    return best, bpb
-
-
 def cached(folder: Path, docs: Sequence[Document], make: Callable[[Document], Any], arrays: Callable[[Any], dict],
            load: Callable[[Any], Any], progress: bool, label: str, split: str) -> list:
     """Each document's numbers (``make``), kept in ``folder`` as they are made (``arrays``: an ``.npz``'s
@@ -132,14 +111,6 @@ def cached(folder: Path, docs: Sequence[Document], make: Callable[[Document], An
             save_npz(folder / f"{doc_key(docs[k])}.npz", **arrays(got[k]))
             bar.update(1)
     return got
-
-
-def _features(members: Sequence[Rows], docs: Sequence[Document], primary: int, split: str, out: Path,
-              progress: bool) -> list[DocFeatures]:
-    vocabs: dict = {}
-    return cached(out / "features" / f"{split}-{members[primary].name}", docs,
-                  lambda d: doc_features(d.text, members, primary, vocabs=vocabs), DocFeatures.to_npz, DocFeatures.from_npz,
-                  progress, f"text {split}: {len(members)} members' numbers, primary {members[primary].name},", split)
 
 
 def publish(out: Path, task: str, records: Sequence[dict], results: dict, render: Callable[[dict], str]) -> dict:
@@ -163,6 +134,7 @@ def _add_seconds(out: Path, now: dict[str, float]) -> dict[str, float]:
 
 
 def row_names(members: Sequence[Rows]) -> list[str]:
+    """The ``text`` run's rows: each member alone, then ``text_rows.TEXT_ROWS``."""
     return [f"single:{m.name}" for m in members] + list(text_rows.TEXT_ROWS)
 
 
@@ -236,42 +208,139 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_text(members: Sequence[Rows], settings: TextSettings) -> dict:
-    """The whole ``text`` run (see the module docstring); returns ``results.json``'s content."""
-    out = Path(settings.out)
+class TextRun:
+    """One kind of text run (``--tasks text`` or ``text-bytes``): what each document's numbers are, how its
+    rows are fit on the dev documents' numbers and what each row gives a document. ``run_text`` is the
+    one flow both follow."""
+
+    task: str
+    predicts: str  # what its mixtures of the members predict (``text_rows.Row.predicts``): compared with doc-mix
+    stages: tuple[str, str]  # seconds.json's names of the dev and test documents' numbers
+
+    def __init__(self, members: Sequence[Rows], settings: TextSettings) -> None:
+        self.members, self.settings = list(members), settings
+        self.names = [m.name for m in members]
+        self.out = Path(settings.out)
+
+    def prepare(self, dev: Sequence[Document]) -> tuple[dict, dict[str, float]]:
+        """Before the numbers: results.json's entries after ``primary`` and seconds spent (by stage)."""
+        raise NotImplementedError
+
+    def numbers(self, docs: Sequence[Document], split: str) -> list:
+        """Each document's numbers, kept under ``--out`` as they are made (``cached``)."""
+        raise NotImplementedError
+
+    def fit(self, dev: Sequence) -> dict[str, Fitted]:
+        """Every row's parameters from the dev documents' numbers (nothing else)."""
+        raise NotImplementedError
+
+    def rows(self) -> list[str]:
+        raise NotImplementedError
+
+    def logprobs(self, f, fitted: dict[str, Fitted]) -> dict[str, float]:
+        """Every row's natural-log probability of one document from its numbers, in ``rows()``' order."""
+        raise NotImplementedError
+
+    def record(self, f) -> dict:
+        """A test document's record entries besides its id, domain, bytes and bits."""
+        return {}
+
+    def finish(self, results: dict, records: Sequence[dict]) -> dict:
+        """results.json from the run's entries and its records."""
+        versus = tuple(r for r, x in text_rows.ROWS.items() if x.predicts == self.predicts)
+        return results | aggregate(records, self.rows(), self.names, versus_doc_mix=versus)
+
+    @staticmethod
+    def render(results: dict) -> str:
+        """``results.md`` from ``results.json`` (also ``eval.pages``' rendering)."""
+        return markdown(results)
+
+
+def run_text(run: TextRun) -> dict:
+    """The whole run (``text``'s and ``text-bytes``' module docstrings): the dev documents' numbers, the
+    rows fit on them, every row on every test document; returns ``results.json``'s content."""
+    settings, out = run.settings, run.out
     out.mkdir(parents=True, exist_ok=True)
     dev = per_domain(load_documents("dev", settings.data), settings.dev_per_domain)
     test = load_documents("test", settings.data)[: settings.limit]
-    names = [m.name for m in members]
+    head, seconds = run.prepare(dev)
     t0 = time.perf_counter()
-    dev_bpb: dict = {}
-    if settings.primary is not None:
-        if settings.primary not in names:
-            raise TokenfuseError(f"--primary: {settings.primary!r} is not a member (members: {', '.join(names)})")
-        primary = names.index(settings.primary)
-    else:
-        primary, dev_bpb = _choose_primary(members, per_domain(dev, settings.choose_per_domain), out,
-                                           settings.progress)
-    t_choose = time.perf_counter() - t0
-    dev_f = _features(members, dev, primary, "dev", out, settings.progress)
-    t_dev = time.perf_counter() - t0 - t_choose
-    fitted = text_rows.fit(dev_f, len(members))
-    stderr_log("text fit on dev: " + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
-    test_f = _features(members, test, primary, "test", out, settings.progress)
-    t_test = time.perf_counter() - t0 - t_choose - t_dev
-    rows = row_names(members)
-    records = []
-    for d, f in zip(test, test_f):
-        bits = {row: _bits(text_rows.row_logprob(row, f, names, fitted.get(row, Fitted())))
-                for row in rows}
-        records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "pieces": len(f.p_true),
-                        "bits": {k: round(v, 4) for k, v in bits.items()}})
-    results = {"task": "text", "members": names, "primary": names[primary], "dev_bpb": dev_bpb,
+    dev_f = run.numbers(dev, "dev")
+    seconds[run.stages[0]] = time.perf_counter() - t0
+    fitted = run.fit(dev_f)
+    stderr_log(f"{run.task} fit on dev: " + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
+    t0 = time.perf_counter()
+    test_f = run.numbers(test, "test")
+    seconds[run.stages[1]] = time.perf_counter() - t0
+    records = [{"id": d.id, "domain": d.domain, "bytes": d.nbytes, **run.record(f),
+                "bits": {row: round(_bits(lp), 4) for row, lp in run.logprobs(f, fitted).items()}}
+               for d, f in zip(test, test_f)]
+    results = {"task": run.task, "members": run.names, **head,
                "fitted": {row: p.as_dict() for row, p in fitted.items()},
-               "dev_documents": len(dev), "test_documents": len(test),
-               "seconds": _add_seconds(out, {"choose_primary": t_choose, "dev_features": t_dev,
-                                             "test_features": t_test})}
-    return publish(out, "text", records, results | aggregate(records, rows, names), markdown)
+               "dev_documents": len(dev), "test_documents": len(test), "seconds": _add_seconds(out, seconds)}
+    return publish(out, run.task, records, run.finish(results, records), run.render)
+
+
+class TokenRun(TextRun):
+    """``--tasks text``: the token-level rows on the primary member's tokens (the module docstring)."""
+
+    task, predicts, stages = "text", "tokens", ("dev_features", "test_features")
+
+    def prepare(self, dev: Sequence[Document]) -> tuple[dict, dict[str, float]]:
+        t0 = time.perf_counter()
+        dev_bpb: dict = {}
+        if self.settings.primary is not None:
+            if self.settings.primary not in self.names:
+                raise TokenfuseError(f"--primary: {self.settings.primary!r} is not a member "
+                                     f"(members: {', '.join(self.names)})")
+            self.primary = self.names.index(self.settings.primary)
+        else:
+            self.primary, dev_bpb = _choose_primary(self.members, per_domain(dev, self.settings.choose_per_domain),
+                                                    self.out, self.settings.progress)
+        return ({"primary": self.names[self.primary], "dev_bpb": dev_bpb},
+                {"choose_primary": time.perf_counter() - t0})
+
+    def numbers(self, docs: Sequence[Document], split: str) -> list[DocFeatures]:
+        members, primary, vocabs = self.members, self.primary, {}
+        return cached(self.out / "features" / f"{split}-{members[primary].name}", docs,
+                      lambda d: doc_features(d.text, members, primary, vocabs=vocabs), DocFeatures.to_npz,
+                      DocFeatures.from_npz, self.settings.progress,
+                      f"text {split}: {len(members)} members' numbers, primary {members[primary].name},", split)
+
+    def fit(self, dev: Sequence[DocFeatures]) -> dict[str, Fitted]:
+        return text_rows.fit(dev, len(self.members))
+
+    def rows(self) -> list[str]:
+        return row_names(self.members)
+
+    def logprobs(self, f: DocFeatures, fitted: dict[str, Fitted]) -> dict[str, float]:
+        return {row: text_rows.row_logprob(row, f, self.names, fitted.get(row, Fitted())) for row in self.rows()}
+
+    def record(self, f: DocFeatures) -> dict:
+        return {"pieces": len(f.p_true)}
+
+
+def _choose_primary(members: Sequence[Rows], dev: Sequence[Document], out: Path, progress: bool) -> tuple[int, dict]:
+    """Each member alone on the dev documents (kept in ``out/dev-single.json``); the fewest bits per byte wins."""
+    path = out / "dev-single.json"
+    done: dict[str, dict[str, float]] = json.loads(path.read_text()) if path.is_file() else {}
+    nbytes = sum(d.nbytes for d in dev)
+    stderr_log(f"text dev: each of {len(members)} members alone on {len(dev)} dev documents ({nbytes:,} bytes), "
+         "to choose the primary")
+    for m in members:
+        mine = done.setdefault(m.name, {})
+        todo = [d for d in dev if d.id not in mine]
+        with progress_bar(total=len(dev), initial=len(dev) - len(todo), desc=f"dev {m.name}", unit="doc",
+                          enabled=progress) as bar:
+            for d in todo:
+                mine[d.id] = _bits(float(np.sum(single_logprobs(m, d.text))))
+                path.write_text(json.dumps(done))
+                bar.update(1)
+    bpb = {m.name: sum(done[m.name][d.id] for d in dev) / nbytes for m in members}
+    best = min(range(len(members)), key=lambda i: bpb[members[i].name])
+    stderr_log("text dev bits per byte: " + ", ".join(f"{k} {v:.4f}" for k, v in bpb.items())
+         + f" -> primary {members[best].name}")
+    return best, bpb
 
 
 def score_texts(members: Sequence[Rows], texts: Sequence[str], primary: int, fitted: dict, *,

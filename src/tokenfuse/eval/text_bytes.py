@@ -1,7 +1,8 @@
 """Bits per byte of held-out text under the byte rows (``tokenfuse eval --tasks text-bytes``): every
 member as a byte-level model (alignment/bytemodel.py), mixed byte by byte (the byte rows of engine/text_rows.py).
 
-The run, resumable (each document's numbers are kept under ``--out/bytes/`` as they are made):
+The run (``ByteRun`` in ``eval.text.run_text``'s flow), resumable (each document's numbers are kept under
+``--out/bytes/`` as they are made):
 
 1. the first ``DEV_PER_DOMAIN`` dev documents of each domain and every test document: each member's
    byte model of the document (``score_bytes`` with the run's ``Pruning``, its own tokens as the chain)
@@ -26,18 +27,18 @@ import numpy as np
 from tokenfuse.alignment.bytemodel import Pruning
 from tokenfuse.alignment.bytetree import TokenBytes
 from tokenfuse.alignment.byteview import score_bytes
-from tokenfuse.combiners.mixers import Fitted, em_weights
+from tokenfuse.combiners.mixers import Fitted
 from tokenfuse.engine import text_rows
 from tokenfuse.engine.text_features import Rows, primary_tokens
 from tokenfuse.errors import TokenfuseError
-from tokenfuse.eval.batches import stderr_log
-from tokenfuse.eval.text import (DEV_PER_DOMAIN, LN2, TextSettings, _add_seconds, aggregate, cached, compare, doc_key,
-                                 markdown, per_domain, publish, score_entry, single_logprobs)
+from tokenfuse.eval.text import (DEV_PER_DOMAIN, TextRun, cached, compare, doc_key, markdown, per_domain, score_entry,
+                                 single_logprobs)
 from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.text import Document, load_documents
 
 
 def row_names(members: Sequence[Rows]) -> list[str]:
+    """The ``text-bytes`` run's rows: each member alone and its byte model, ``doc-mix``, the byte rows."""
     return ([f"single:{m.name}" for m in members] + [f"bytes:{m.name}" for m in members] + ["doc-mix"]
             + list(text_rows.BYTE_ROWS))
 
@@ -64,13 +65,6 @@ def doc_bytes(members: Sequence[Rows], tokens: Sequence[TokenBytes], text: str, 
     out["rows"] = np.array(read)
     out["seconds"] = np.array(seconds)
     return out
-
-
-def _features(members: Sequence[Rows], docs: Sequence[Document], split: str, out: Path, pruning: Pruning,
-              progress: bool) -> list[dict[str, np.ndarray]]:
-    tokens = [TokenBytes(m.codec.token_bytes) for m in members]
-    return cached(out / "bytes" / split, docs, lambda d: doc_bytes(members, tokens, d.text, pruning), dict, dict, progress,
-                  f"text-bytes {split}: {len(members)} members' byte views", split)
 
 
 LEGACY = Pruning(keep=1e-2, width=1, rule="top", smooth=1e-6)  # a run's pruning from before it was recorded
@@ -114,25 +108,24 @@ def _q(f: dict[str, np.ndarray], n: int) -> np.ndarray:
     return np.exp(np.stack([f[f"q{i}"] for i in range(n)], axis=1))
 
 
-def doc_logprobs(f: dict[str, np.ndarray], names: Sequence[str], fitted: dict[str, Fitted],
-                 doc_w: np.ndarray) -> dict[str, float]:
+def doc_logprobs(f: dict[str, np.ndarray], names: Sequence[str], fitted: dict[str, Fitted]) -> dict[str, float]:
     """Every row's natural-log probability of one document from its ``doc_bytes``: ``single`` and
-    ``bytes`` per member, ``doc-mix`` (weights ``doc_w``) and each byte row in ``fitted``."""
+    ``bytes`` per member, ``doc-mix`` and each byte row in ``fitted``."""
     n = len(names)
     single = np.array([f[f"single{i}"].sum() for i in range(n)])
     lp = {f"single:{names[i]}": float(single[i]) for i in range(n)}
     lp |= {f"bytes:{names[i]}": float(f[f"q{i}"].sum()) for i in range(n)}
-    lp["doc-mix"] = text_rows.doc_mix_logprob(single, doc_w)
+    lp["doc-mix"] = text_rows.doc_mix_logprob(single, fitted["doc-mix"].weights)
     q = _q(f, n)
     lp |= {row: float(text_rows.byte_logprobs(row, q, fitted[row]).sum()) for row in text_rows.BYTE_ROWS
            if row in fitted}
     return lp
 
 
-def _fit(dev_f: Sequence[dict[str, np.ndarray]], n: int) -> tuple[dict[str, Fitted], np.ndarray]:
-    """The byte rows' numbers and ``doc-mix``'s weights on the dev documents' views."""
-    return (text_rows.fit_bytes([_q(f, n) for f in dev_f]),
-            em_weights(np.array([[f[f"single{i}"].sum() for i in range(n)] for f in dev_f])))
+def fit(dev: Sequence[dict[str, np.ndarray]], n: int) -> dict[str, Fitted]:
+    """The byte rows' numbers and ``doc-mix``'s weights on the dev documents' ``doc_bytes``."""
+    return (text_rows.fit_bytes([_q(f, n) for f in dev])
+            | {"doc-mix": text_rows.fit_doc_mix(np.array([[f[f"single{i}"].sum() for i in range(n)] for f in dev]))})
 
 
 def dev_fit(out: Path, names: Sequence[str], data: str | None = None, dev_per_domain: int = DEV_PER_DOMAIN) -> dict:
@@ -149,49 +142,44 @@ def dev_fit(out: Path, names: Sequence[str], data: str | None = None, dev_per_do
     if any(f"q{len(names) - 1}" not in f or f"q{len(names)}" in f for f in dev_f):
         raise TokenfuseError(f"{out}: its views are not of {len(names)} members ({', '.join(names)})")
     pruning = Pruning(**json.loads((out / "bytes" / "pruning.json").read_text()))
-    fitted, doc_w = _fit(dev_f, len(names))
     return {"task": "text-bytes", "members": list(names), **pruning_dict(pruning),
-            "fitted": {row: p.as_dict() for row, p in fitted.items()} | {"doc-mix": {"weights": doc_w.tolist()}},
+            "fitted": {row: p.as_dict() for row, p in fit(dev_f, len(names)).items()},
             "dev_documents": len(dev), "dev_bytes": sum(d.nbytes for d in dev)}
 
 
-def run_text_bytes(members: Sequence[Rows], settings: TextSettings) -> dict:
-    """The whole run (the module docstring); returns ``results.json``'s content."""
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = per_domain(load_documents("dev", settings.data), settings.dev_per_domain or DEV_PER_DOMAIN)
-    test = load_documents("test", settings.data)[: settings.limit]
-    names = [m.name for m in members]
-    n = len(members)
-    t0 = time.perf_counter()
-    pruning = settings.pruning
-    _same_pruning(out / "bytes", pruning)
-    dev_f = _features(members, dev, "dev", out, pruning, settings.progress)
-    t_dev = time.perf_counter() - t0
-    fitted, doc_w = _fit(dev_f, n)
-    stderr_log("text-bytes fit on dev: doc-mix " + str(np.round(doc_w, 4).tolist()) + "; "
-               + "; ".join(f"{row} {p.as_dict()}" for row, p in fitted.items()))
-    test_f = _features(members, test, "test", out, pruning, settings.progress)
-    t_test = time.perf_counter() - t0 - t_dev
-    rows = row_names(members)
-    records = []
-    for d, f in zip(test, test_f):
-        lp = doc_logprobs(f, names, fitted, doc_w)
-        records.append({"id": d.id, "domain": d.domain, "bytes": d.nbytes, "rows_read": f["rows"].tolist(),
-                        "bits": {k: round(-float(v) / LN2, 4) for k, v in lp.items()}})
-    results = {"task": "text-bytes", "members": names, "primary": "none (byte rows)",
-               **pruning_dict(pruning), "fitted": {row: p.as_dict() for row, p in fitted.items()}
-               | {"doc-mix": {"weights": doc_w.tolist()}},
-               "dev_documents": len(dev), "test_documents": len(test),
-               "seconds": _add_seconds(out, {"dev_bytes": t_dev, "test_bytes": t_test})}
-    results |= aggregate(records, rows, names, versus_doc_mix=text_rows.BYTE_ROWS)
-    results["vs_best_view"] = versus_views(records, names)
-    return publish(out, "text-bytes", records, results, render)
+class ByteRun(TextRun):
+    """``--tasks text-bytes``: every member's byte model and the byte rows (the module docstring)."""
 
+    task, predicts, stages = "text-bytes", "bytes", ("dev_bytes", "test_bytes")
 
-def render(results: dict) -> str:
-    """``results.md`` of a ``text-bytes`` run from its ``results.json`` (also ``eval.pages``' rendering)."""
-    return markdown(results) + views_markdown(results["vs_best_view"])
+    def prepare(self, dev: Sequence[Document]) -> tuple[dict, dict[str, float]]:
+        _same_pruning(self.out / "bytes", self.settings.pruning)
+        return {"primary": "none (byte rows)", **pruning_dict(self.settings.pruning)}, {}
+
+    def numbers(self, docs: Sequence[Document], split: str) -> list[dict[str, np.ndarray]]:
+        tokens = [TokenBytes(m.codec.token_bytes) for m in self.members]
+        return cached(self.out / "bytes" / split, docs,
+                      lambda d: doc_bytes(self.members, tokens, d.text, self.settings.pruning), dict, dict,
+                      self.settings.progress, f"text-bytes {split}: {len(self.members)} members' byte views", split)
+
+    def fit(self, dev: Sequence[dict[str, np.ndarray]]) -> dict[str, Fitted]:
+        return fit(dev, len(self.members))
+
+    def rows(self) -> list[str]:
+        return row_names(self.members)
+
+    def logprobs(self, f: dict[str, np.ndarray], fitted: dict[str, Fitted]) -> dict[str, float]:
+        return doc_logprobs(f, self.names, fitted)
+
+    def record(self, f: dict[str, np.ndarray]) -> dict:
+        return {"rows_read": f["rows"].tolist()}
+
+    def finish(self, results: dict, records: Sequence[dict]) -> dict:
+        return super().finish(results, records) | {"vs_best_view": versus_views(records, self.names)}
+
+    @staticmethod
+    def render(results: dict) -> str:
+        return markdown(results) + views_markdown(results["vs_best_view"])
 
 
 def versus_views(records: Sequence[dict], names: Sequence[str]) -> dict:
@@ -211,8 +199,8 @@ def views_markdown(vs: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str, Fitted],
-                doc_w: np.ndarray, pruning: Pruning, *, progress: bool = True) -> list[dict]:
+def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str, Fitted], pruning: Pruning, *,
+                progress: bool = True) -> list[dict]:
     """``tokenfuse score --bytes``: every row of this run (those in ``fitted`` of the byte rows) on each
     text, in ``score``'s ``--json`` shape per text, with what each member's byte model cost: the rows it
     read and its seconds, beside the seconds of the member's own scoring of the same text
@@ -224,7 +212,7 @@ def score_texts(members: Sequence[Rows], texts: Sequence[str], fitted: dict[str,
     with progress_bar(total=len(members) * sum(sizes), desc="byte models", unit="B", enabled=progress) as bar:
         for text, size in zip(texts, sizes):
             f = doc_bytes(members, tokens, text, pruning, on_member=lambda size=size: bar.update(size))
-            lps = doc_logprobs(f, names, fitted, doc_w)
+            lps = doc_logprobs(f, names, fitted)
             cost = {}
             for i, m in enumerate(members):
                 t0 = time.perf_counter()
