@@ -107,8 +107,9 @@ def state_reader(member: Any, start: Sequence[int]) -> Iterator[Take]:
                 states[r] = member.new_state(start)
             mine = [j for j, w in enumerate(where) if w == r]
             whole = any(ids[j] is None for j in mine)
+            # the ids as they come (arrays): a list of numpy ints becomes a tensor a hundred times slower
             got = positions(member, states[r], [lists[j] for j in mine],
-                            pick=None if whole else [list(ids[j]) for j in mine])  # type: ignore[arg-type]
+                            pick=None if whole else [ids[j] for j in mine])  # type: ignore[misc]
             for j, row in zip(mine, got):
                 row = row.numpy().astype(np.float64)
                 out[j] = row if not whole or ids[j] is None else row[np.asarray(ids[j], dtype=np.int64)]
