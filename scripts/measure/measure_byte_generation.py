@@ -6,8 +6,8 @@ pieces; each time is the whole call over the bytes it produced, the second of tw
 median over the prompts of each method's seconds per byte and of their ratio, and the ``byte``
 method's member rows read per byte (GaC reads one per member per piece). ``--width``, ``--keep``: the
 byte views' pruning (default: the byte method's); ``--top``: the top rule instead of the reserve;
-``--mix``: the byte method's mixers to time, comma-separated (each in the same run against the same
-GaC calls; ``gate`` and ``online`` at the shipped fit of the bundled members).
+``--mix``: the byte method's mixers to time, comma-separated (each in the same run, against a GaC call
+timed just before it on the same prompt; ``gate`` and ``online`` at the shipped fit of the bundled members).
 
     .venv/bin/python scripts/measure/measure_byte_generation.py [--bytes 200] [--mix mixture,gate] [--json out.json]
 

@@ -49,6 +49,7 @@ measured where they do not.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,7 @@ class RowMemo:
     def __init__(self) -> None:
         self._rows: dict[tuple[str, tuple[tuple[int, ...], ...]], list[torch.Tensor]] = {}
         self._bytes: dict[tuple, list[np.ndarray]] = {}
+        self._count = threading.Lock()  # byte_logprobs runs in the member threads
         self.hits = 0
         self.misses = 0
 
@@ -108,11 +110,13 @@ class RowMemo:
         ``pruning`` (a hashable ``Pruning``): kept from an earlier call with the same key, else ``make()``."""
         key = (member.name, pruning, context, tuple(continuations))
         got = self._bytes.get(key)
+        with self._count:
+            if got is None:
+                self.misses += 1
+            else:
+                self.hits += 1
         if got is None:
-            self.misses += 1
             got = self._bytes[key] = make()
-        else:
-            self.hits += 1
         return got
 
     @staticmethod
