@@ -194,3 +194,39 @@ def test_text_pieces_on_hand_made_features(tmp_path, capsys):
                      " " * 20 + "'' | 'é'          primary   -2.32 gac   -2.84 bits (others' exact-bytes e: -)",
                      "  saved most:",
                      " " * 20 + "'' | 'é'          primary   -2.32 gac   -2.84 bits (others' exact-bytes e: -)"]
+
+
+def test_option_margins_against_the_best_member(tmp_path, capsys):
+    from tokenfuse.analyze.options import item_numbers
+    from tokenfuse.eval.records import append_records, item_file
+
+    # gold 0; per byte: -4/4 = -1.0 (gold), -3/2 = -1.5, -10/5 = -2.0 -> nll 1.0, margin +0.5
+    assert item_numbers({"gold": 0, "logprobs": [-4.0, -3.0, -10.0], "bytes": [4, 2, 5]}) == (1.0, 0.5)
+    assert item_numbers({"gold": 1, "logprobs": [-1.0, -math.inf], "bytes": [1, 1]}) is None
+    assert item_numbers({"gold": 0, "pred": 0}) is None  # no option scores
+    recs = {  # two items, gold 0, one byte per option
+        "single:a": [{"id": "1", "gold": 0, "logprobs": [-1.0, -2.0], "bytes": [1, 1], "correct": True},
+                     {"id": "2", "gold": 0, "logprobs": [-3.0, -2.0], "bytes": [1, 1], "correct": False}],
+        "single:b": [{"id": "1", "gold": 0, "logprobs": [-2.0, -1.0], "bytes": [1, 1], "correct": False},
+                     {"id": "2", "gold": 0, "logprobs": [-2.5, -2.0], "bytes": [1, 1], "correct": False}],
+        "byte-gate": [{"id": "1", "gold": 0, "logprobs": [-0.5, -2.0], "bytes": [1, 1], "correct": True},
+                      {"id": "2", "gold": 0, "logprobs": [-1.5, -2.0], "bytes": [1, 1], "correct": True}],
+    }
+    for row, rs in recs.items():
+        append_records(item_file(tmp_path, "piqa", "likelihood", row), rs)
+    append_records(item_file(tmp_path, "piqa", "likelihood", "mbr"), [{"id": "1", "pred": 0, "correct": True}])
+    lines = _analyze(["options", str(tmp_path)], capsys)
+    assert lines[0] == "### piqa-likelihood (best member: single:a)"  # 50 % against b's 0 %
+    table = {ln.split(" | ")[0][2:]: ln for ln in lines if ln.startswith("| ") and not ln.startswith("| row")}
+    assert set(table) == {"byte-gate", "single:a", "single:b"}  # mbr has no option scores
+    # byte-gate: nll (0.5 + 1.5) / 2 = 1.0, margin (1.5 + 0.5) / 2 = +1.0; a: nll (1 + 3) / 2 = 2.0, margin
+    # (1 - 1) / 2 = 0; paired differences: nll -0.5, -1.5; margin +0.5, +1.5 (two items: the interval is their range)
+    assert table["byte-gate"] == ("| byte-gate | 2 | 100.0 | 1.0000 | +1.0000 | -1.0000 [-1.5000, -0.5000] | "
+                                  "+1.0000 [+0.5000, +1.5000] |")
+    assert table["single:a"] == "| single:a | 2 | 50.0 | 2.0000 | +0.0000 | — | — |"
+    from tokenfuse.cli import main
+
+    assert main(["analyze", "options", str(tmp_path), "--tasks", "boolq"]) == 2  # a clear error, no traceback
+    assert "no likelihood records of boolq" in capsys.readouterr().err
+    assert main(["analyze", "options", str(tmp_path / "nothing")]) == 2
+    assert "has no items/ folder" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``tokenfuse analyze tokenizers|calibration|compare|letters|pieces``: argument parsing only."""
+"""``tokenfuse analyze tokenizers|calibration|compare|letters|pieces|options``: argument parsing only."""
 
 from __future__ import annotations
 
@@ -43,12 +43,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--docs", type=int, default=2, help="first test documents of each domain (default 2)")
     s.add_argument("--top", type=int, default=8, help="pieces shown where the row lost and saved most (default 8)")
     s.add_argument("--data", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
+    o = sub.add_parser("options", help="per likelihood task and row: the gold option's NLL per byte and its margin "
+                                       "to the best wrong option, against the best member")
+    o.add_argument("run", help="a `tokenfuse eval --out DIR` run with likelihood records")
+    o.add_argument("--tasks", help="comma-separated tasks (default: every likelihood task of the run)")
+    o.add_argument("--dev", action="store_true", help="auto's dev items instead of the test items")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     if args.analysis is None:
-        raise TokenfuseError("analyze: choose tokenizers, calibration, compare, letters or pieces "
+        raise TokenfuseError("analyze: choose tokenizers, calibration, compare, letters, pieces or options "
                              "(tokenfuse analyze --help)")
     if args.analysis == "compare":
         from tokenfuse.analyze.compare import compare_records
@@ -64,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
         from tokenfuse.analyze.pieces import text_pieces
 
         print(text_pieces(args.run, row=args.row, docs=args.docs, top=args.top, data=args.data))
+        return 0
+    if args.analysis == "options":
+        from tokenfuse.analyze.options import option_tables
+
+        print(option_tables(args.run, args.tasks.split(",") if args.tasks else None, dev=args.dev))
         return 0
     cfg = config_from_args(args)
     if args.analysis == "tokenizers":
