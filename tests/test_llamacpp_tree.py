@@ -108,6 +108,11 @@ def test_a_list_a_few_ids_off_the_trunk_is_the_detour_and_one_far_off_the_trunk(
         more = take([other + [7]], [[5]])[0]  # one id past the detour
         moved = take([far], [[5]])[0]
         again = take([far[:-1] + [9]], [[5]])[0]  # one id off the new trunk
+        stats = take.__self__.stats  # its decode calls: three feeds of a kept sequence, three one-id branches
+    assert stats["kept"] == llamacpp_tree.CallStats(3, len(trunk) + len(other) - 6 + len(far) - 4, 3,
+                                                    stats["kept"].seconds)
+    assert stats["branches"] == llamacpp_tree.CallStats(3, 3, 3, stats["branches"].seconds)
+    assert stats["kept"].seconds > 0 and stats["branches"].seconds > 0
     assert np.array_equal(row, _plain(m, trunk, 6, other[6:])[-1][[5, 6]])
     assert np.array_equal(back, _plain(m, trunk, 8, trunk[8:9])[-1][[5]])
     assert np.array_equal(more, _fed(m, trunk, [(6, other[6:]), (len(other), [7])])[[5]])

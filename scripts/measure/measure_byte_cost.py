@@ -17,6 +17,11 @@ slice's are the first bytes of its document's).
     TOKENFUSE_DATA=../shared/benchmarks .venv/bin/python scripts/measure/measure_byte_cost.py --split \
         --run docs/results/text-bytes-defer --out docs/benchmarks/cpu-byteview-cost.json
 
+``--calls`` (not with ``--run``): also where the byte model's time goes, from its tree reader's counters
+(``TreeReader.stats``: decode calls feeding the trunk or the detour, and branch calls; ids fed, rows,
+seconds in llama.cpp's decode), the rest of its seconds being host work (the rows' log-softmax, the
+byte model's own work), and the lists it read against the rows the model used.
+
 Run it alone on the machine. Prints one JSON object: per member ``rows_per_byte``, ``rows_per_own_token``,
 ``view_vs_own`` (seconds of the byte model ÷ seconds of the own scoring), ``bits_vs_top`` (relative
 difference in bits per byte against the top rule) and the raw counts; with ``--run``, also ``dev_gain``:
@@ -45,6 +50,7 @@ from tokenfuse.engine.text_features import Rows, primary_tokens
 from tokenfuse.eval.score_cli import add_pruning_arguments, pruning_of
 from tokenfuse.eval.text import DEV_PER_DOMAIN, doc_key, per_domain, single_logprobs
 from tokenfuse.load import load_member
+from tokenfuse.members.llamacpp_tree import TreeReader
 from tokenfuse.tasks.text import load_documents
 
 RUN = Path(__file__).resolve().parents[2] / "docs" / "results" / "text-bytes"
@@ -56,7 +62,8 @@ def cut(text: str, n: int) -> str:
     return text.encode("utf-8")[:n].decode("utf-8", "ignore")
 
 
-def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: Pruning, run: Path | None = None) -> dict:
+def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: Pruning, run: Path | None = None,
+            calls: bool = False) -> dict:
     m = load_member(MemberConfig(name=source, source=source, backend="llamacpp"), progress=False)
     try:
         rows = Rows.from_member(m)
@@ -71,8 +78,9 @@ def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: P
             own_s += time.perf_counter() - t0
             own_tokens += len(primary_tokens(m.codec, t))
         view_s = view_lp = top_lp = 0.0
-        read = deferrals = reseeds = 0
+        read = deferrals = reseeds = lists = 0
         nbytes = 0
+        stats: dict[str, dict] = {}
         for d, t in zip(docs, texts):
             data = t.encode("utf-8")
             if run is not None:  # the views a text-bytes run made of the whole documents (its seconds, alone)
@@ -84,8 +92,23 @@ def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: P
                 top_lp += float(np.load(RUN / "bytes" / "dev" / f"{doc_key(d)}.npz")[f"q{index}"].sum())
                 continue
             t0 = time.perf_counter()
-            with rows.reader() as take:
-                s = score_bytes(data, tokens, rows.start, take, chain=primary_tokens(m.codec, t), pruning=pruning)
+            if calls:  # the member's reader (llama.cpp's tree reader), its counters kept
+                reader = TreeReader(m)
+                try:
+                    def take(x, ids, read=reader.take):
+                        nonlocal lists
+                        lists += len(x)
+                        return read(x, ids)
+                    s = score_bytes(data, tokens, rows.start, take, chain=primary_tokens(m.codec, t), pruning=pruning)
+                finally:
+                    reader.close()
+                for kind, c in reader.stats.items():
+                    acc = stats.setdefault(kind, {"calls": 0, "ids": 0, "rows": 0, "seconds": 0.0})
+                    for k, v in dataclasses.asdict(c).items():
+                        acc[k] += v
+            else:
+                with rows.reader() as take:
+                    s = score_bytes(data, tokens, rows.start, take, chain=primary_tokens(m.codec, t), pruning=pruning)
             view_s += time.perf_counter() - t0
             view_lp += float(s.logprobs.sum())
             read += s.rows
@@ -99,7 +122,10 @@ def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: P
                 "view_vs_own": round(view_s / own_s, 3), "bits_vs_top": round(bpb / top_bpb - 1, 5),
                 "bytes": nbytes, "own_tokens": own_tokens, "rows": read, "deferrals": deferrals, "reseeds": reseeds,
                 "view_seconds": round(view_s, 2), "own_seconds": round(own_s, 2), "bpb": round(bpb, 5),
-                "top_bpb": round(top_bpb, 5), "own_bpb": round(-own_lp / math.log(2) / nbytes, 5)}
+                "top_bpb": round(top_bpb, 5), "own_bpb": round(-own_lp / math.log(2) / nbytes, 5),
+                **({"calls": {"lists_read": lists, **{k: {**v, "seconds": round(v["seconds"], 2)} for k, v in stats.items()},
+                              "host_seconds": round(view_s - sum(v["seconds"] for v in stats.values()), 2)}}
+                   if calls else {})}
     finally:
         m.unload()
 
@@ -127,8 +153,12 @@ def main() -> None:
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--run", help="with --split: take the byte models' bits, rows and seconds from this text-bytes "
                                   "run's dev views (made alone on the machine) and time only the own scoring")
+    ap.add_argument("--calls", action="store_true", help="also where the byte model's time goes (the tree reader's "
+                                                        "decode calls, host work, lists read); not with --run")
     add_pruning_arguments(ap)
     args = ap.parse_args()
+    if args.calls and args.run:
+        ap.error("--calls times the byte models here: not with --run")
     run = json.loads((RUN / "results.json").read_text())
     if args.run:
         from tokenfuse.eval.text_bytes import run_pruning
@@ -150,7 +180,7 @@ def main() -> None:
     for name in names:
         assert name in BUNDLED, name
         out[name] = measure(name, run["members"].index(name), docs, SLICE if args.slices else None, pruning,
-                            Path(args.run) if args.run else None)
+                            Path(args.run) if args.run else None, args.calls)
         print(json.dumps({name: out[name]}), flush=True)
     if args.run:  # the byte rows' dev gains under this run's pruning and under the top rule's first run
         n = len(run["members"])

@@ -284,7 +284,7 @@ def quiet_timings(deepen: DeePEn, members, steps: list, n_steps: int = 24) -> No
         ids = rng.choice(mat.source.n_rows, 25, replace=False)
         new.append(best_of(lambda mat=mat, ids=ids: mat.compute(ids), 3))
     f = float(np.median(fuse))
-    print(f"\n## Best-of-5 timings (the machine is shared; these approximate an idle one)")
+    print("\n## Best-of-5 timings (the machine is shared; these approximate an idle one)")
     print(f"warm fuse, median over {len(picks)} steps of the best of 5: {f:.2f} ms (min {min(fuse):.2f}, max {max(fuse):.2f})")
     print("one-token decode, best of 7: " + ", ".join(f"{m.name} {t:.1f} ms" for m, t in zip(members, fwd))
           + f"; sum {sum(fwd):.1f} ms -> warm fuse = {100 * f / sum(fwd):.1f} % of the members' forward")

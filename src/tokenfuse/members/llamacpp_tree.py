@@ -18,6 +18,7 @@ bit; tests/test_llamacpp_tree.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,9 +48,24 @@ class _Branch:
     rows: list[tuple[int, int]] = field(default_factory=list)
 
 
+@dataclass
+class CallStats:
+    """What one kind of a reader's decode calls cost: calls, ids fed, rows taken, seconds in llama.cpp's
+    decode (the rest of a read's time is host work: the rows' log-softmax, the byte model)."""
+
+    calls: int = 0
+    ids: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+
+    def add(self, ids: int, rows: int, seconds: float) -> None:
+        self.calls, self.ids, self.rows, self.seconds = self.calls + 1, self.ids + ids, self.rows + rows, self.seconds + seconds
+
+
 class TreeReader:
     """``take(lists, ids)`` (``members.reading.Take``: the log-probabilities of ``ids[j]`` after
-    ``lists[j]``, ``None`` the whole row) on a context of its own: the module docstring."""
+    ``lists[j]``, ``None`` the whole row) on a context of its own: the module docstring. ``stats``:
+    its decode calls so far, ``"kept"`` (feeding the trunk or the detour) and ``"branches"``."""
 
     def __init__(self, member: Any) -> None:
         from llama_cpp._internals import LlamaBatch, LlamaContext
@@ -62,6 +78,7 @@ class TreeReader:
             ctx = LlamaContext(model=member.llm._model, params=params, verbose=False)
         self.slot = Slot(ctx, LlamaBatch(n_tokens=member.n_batch, embd=0, n_seq_max=1, verbose=False))
         self.held: dict[int, list[int]] = {TRUNK: [], DETOUR: []}  # the ids each kept sequence holds
+        self.stats = {"kept": CallStats(), "branches": CallStats()}
 
     def close(self) -> None:
         self.slot.close()
@@ -133,7 +150,10 @@ class TreeReader:
                 put_token(b, i, root[pos], pos, seq)
                 b.logits[i] = pos in want
             b.n_tokens = stop - start
+            t0 = time.perf_counter()
             ctx.decode(self.slot.batch)
+            self.stats["kept"].add(stop - start, sum(len(want.get(p, ())) for p in range(start, stop)),
+                                   time.perf_counter() - t0)
             for pos in range(start, stop):
                 for j in want.get(pos, ()):
                     out[j] = self._row(ctx, pos - start, ids[j])
@@ -153,7 +173,9 @@ class TreeReader:
                 rows += [(n, j) for j in mine]
                 n += 1
         b.n_tokens = n
+        t0 = time.perf_counter()
         ctx.decode(self.slot.batch)
+        self.stats["branches"].add(n, len(rows), time.perf_counter() - t0)
         for i, j in rows:
             out[j] = self._row(ctx, i, ids[j])
         for k in range(len(call)):
