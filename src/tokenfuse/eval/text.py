@@ -20,6 +20,7 @@ resumable (each document's numbers are kept under ``--out`` as they are made):
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import math
@@ -208,7 +209,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-class TextRun:
+class TextRun(abc.ABC):
     """One kind of text run (``--tasks text`` or ``text-bytes``): what each document's numbers are, how its
     rows are fit on the dev documents' numbers and what each row gives a document. ``run_text`` is the
     one flow both follow."""
@@ -222,24 +223,25 @@ class TextRun:
         self.names = [m.name for m in members]
         self.out = Path(settings.out)
 
+    @abc.abstractmethod
     def prepare(self, dev: Sequence[Document]) -> tuple[dict, dict[str, float]]:
         """Before the numbers: results.json's entries after ``primary`` and seconds spent (by stage)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def numbers(self, docs: Sequence[Document], split: str) -> list:
         """Each document's numbers, kept under ``--out`` as they are made (``cached``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fit(self, dev: Sequence) -> dict[str, Fitted]:
         """Every row's parameters from the dev documents' numbers (nothing else)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rows(self) -> list[str]:
-        raise NotImplementedError
+        """The run's rows, in results' order."""
 
+    @abc.abstractmethod
     def logprobs(self, f, fitted: dict[str, Fitted]) -> dict[str, float]:
         """Every row's natural-log probability of one document from its numbers, in ``rows()``' order."""
-        raise NotImplementedError
 
     def record(self, f) -> dict:
         """A test document's record entries besides its id, domain, bytes and bits."""
@@ -285,6 +287,7 @@ class TokenRun(TextRun):
     """``--tasks text``: the token-level rows on the primary member's tokens (the module docstring)."""
 
     task, predicts, stages = "text", "tokens", ("dev_features", "test_features")
+    primary: int  # the primary member's index: chosen by ``prepare``, which ``run_text`` calls first
 
     def prepare(self, dev: Sequence[Document]) -> tuple[dict, dict[str, float]]:
         t0 = time.perf_counter()
