@@ -1,4 +1,4 @@
-"""``tokenfuse analyze tokenizers|calibration|compare|letters|pieces|options``: argument parsing only."""
+"""``tokenfuse analyze tokenizers|calibration|compare|letters|pieces|options|answers``: argument parsing only."""
 
 from __future__ import annotations
 
@@ -48,12 +48,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("run", help="a `tokenfuse eval --out DIR` run with likelihood records")
     o.add_argument("--tasks", help="comma-separated tasks (default: every likelihood task of the run)")
     o.add_argument("--dev", action="store_true", help="auto's dev items instead of the test items")
+    a = sub.add_parser("answers", help="per generative task: which bytes of the gold answers the byte rows give less "
+                                       "probability than the best member")
+    a.add_argument("--tasks", default="gsm8k,bbh,triviaqa,nq_open",
+                   help="comma-separated generate-form tasks (default gsm8k,bbh,triviaqa,nq_open)")
+    a.add_argument("--models", help="comma-separated members (default: the three bundled models)")
+    a.add_argument("--config", help="ensemble config YAML (its members; a byte method's params.fit and pruning)")
+    a.add_argument("--limit", type=int, default=50, help="items per task: the eval's seeded subset (default 50)")
+    a.add_argument("--seed", type=int, default=1234, help="seed of the item subsets, as tokenfuse eval's (default 1234)")
+    a.add_argument("--dev", action="store_true", help="dev items instead of the test items")
+    a.add_argument("--top", type=int, default=8, help="bytes shown where byte-gate loses most (default 8; 0: none)")
+    a.add_argument("--data", help="benchmark JSONL directory (default: $TOKENFUSE_DATA)")
+    a.add_argument("--out", help="directory for answers.md and answers.json (default: print only)")
+    a.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     if args.analysis is None:
-        raise TokenfuseError("analyze: choose tokenizers, calibration, compare, letters, pieces or options "
+        raise TokenfuseError("analyze: choose tokenizers, calibration, compare, letters, pieces, options or answers "
                              "(tokenfuse analyze --help)")
     if args.analysis == "compare":
         from tokenfuse.analyze.compare import compare_records
@@ -76,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
         print(option_tables(args.run, args.tasks.split(",") if args.tasks else None, dev=args.dev))
         return 0
     cfg = config_from_args(args)
+    if args.analysis == "answers":
+        from tokenfuse.analyze.answers import answer_bytes
+
+        print(answer_bytes(cfg, [t.strip() for t in args.tasks.split(",") if t.strip()], limit=args.limit,
+                           seed=args.seed, dev=args.dev, data=args.data, top=args.top, out=args.out,
+                           progress=not args.quiet))
+        return 0
     if args.analysis == "tokenizers":
         from tokenfuse.analyze.tokenizers import run_tokenizers
 

@@ -61,8 +61,7 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
         lps = pool.run(live, run)
         n_ctx = len(ctx.encode("utf-8"))
         for j, (k, cont) in enumerate(zip(ks, conts)):
-            p = np.exp(np.stack([lps[i][j] for i in live], axis=1))
-            mixed = _mixer(weights, combiner, live).logprobs(p)[n_ctx:]
+            mixed = mix_byte_logprobs(combiner, weights, [lps[i][j] for i in live])[n_ctx:]
             data = cont.encode("utf-8")
             out[k] = Likelihood(float(mixed.sum()), len(data), len(data), ensembled=len(data) if len(live) > 1 else 0,
                                 piece_logprobs=tuple(float(x) for x in mixed),
@@ -111,6 +110,16 @@ def _live(weights: Sequence[float], combiner) -> list[int]:
     return [i for i, w in enumerate(weights) if w > 0]
 
 
+def mix_byte_logprobs(combiner, weights: Sequence[float], lps: Sequence[np.ndarray]) -> np.ndarray:
+    """The mixture's natural-log probability of each byte of one text, from the log-probabilities ``lps``
+    of its bytes under each member with a positive weight (in member order), the mixer reading every
+    byte from the first (a new mixer: ``gate``'s features at zero, ``switch`` at its prior)."""
+    live = _live(weights, combiner)
+    if len(lps) != len(live):
+        raise ValueError(f"mix_byte_logprobs: {len(lps)} members' numbers for {len(live)} members with a weight")
+    return _mixer(weights, combiner, live).logprobs(np.exp(np.stack(lps, axis=1)))
+
+
 def _mixer(weights: Sequence[float], combiner, live: list[int]) -> Mixer:
     """A text's mixer of the members ``live``: the combiner's (``switch``, ``gate``, a fit's mixture), else
     the mixture at their normalised weights."""
@@ -118,10 +127,12 @@ def _mixer(weights: Sequence[float], combiner, live: list[int]) -> Mixer:
     return combiner.new_mixer(list(w)) or Mixer("mixture", Fitted(weights=w / w.sum()), len(live))
 
 
-def member_byte_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str]) -> list[np.ndarray]:
+def member_byte_logprobs(member: Member, tokens: TokenBytes, pruning, ctx: str, conts: Sequence[str], *,
+                         start: Sequence[int] | None = None) -> list[np.ndarray]:
     """The member's byte model's natural-log probability of each byte of ``ctx + cont``, for each ``cont``:
-    one model over the context (its own tokens of it read ahead), forked for each continuation."""
-    start, data = member.encode_prompt(""), ctx.encode("utf-8")
+    one model over the context (its own tokens of it read ahead), forked for each continuation; the model
+    starts at ``start`` (default the member's start ids; a prompt's ids: as generation starts it)."""
+    start, data = (member.encode_prompt("") if start is None else list(start)), ctx.encode("utf-8")
     with member.reader(start) as take:
         ahead = Lookahead(data, tokens, start, take, _own(member, ctx), pruning, True) if data else None
         model = ByteModel(tokens, start, take, pruning, reads=ahead)
