@@ -60,6 +60,7 @@ def test_the_table_on_hand_made_numbers():
     assert lines[0] == "### demo: 2 items, 3 gold bytes (the chat form's target); best member m1"
     gate = next(line for line in lines if line.startswith("| byte-gate |"))
     assert "| 33.3 % |" in gate  # one byte of three (the first, 0.4 < 0.5) below m1
+    assert gate.split(" | ")[3] == "—"  # no digits
     assert lines[-3].startswith("| 0 | b'a' | 0.22 |") and "`[a]b`" in lines[-3]  # ln(0.5 / 0.4)
 
 
@@ -120,6 +121,7 @@ def test_answers_on_a_generative_task(pair, tmp_path):
     for row in ("s", "byte-gate"):
         pooled = -sum(it[row] for it in items) / sum(it["bytes"] for it in items)
         assert t["nats_per_byte"][row]["all"] == pytest.approx(pooled)
+    assert all(v is None or math.isfinite(v) for r in t["nats_per_byte"].values() for v in r.values())
     assert t["best_member"] == min(("s", "q"), key=lambda m: t["nats_per_byte"][m]["all"])
     assert (tmp_path / "out" / "answers.md").read_text().startswith("### gsm8k")
 

@@ -32,6 +32,7 @@ pruning and under the first run's top rule.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -62,6 +63,26 @@ def cut(text: str, n: int) -> str:
     return text.encode("utf-8")[:n].decode("utf-8", "ignore")
 
 
+@contextlib.contextmanager
+def counted(member, stats: dict):
+    """The member's llama.cpp tree reader as a ``take``, its counters added to ``stats`` when it closes
+    (``stats["lists_read"]``: the lists of rows it was asked for)."""
+    reader = TreeReader(member)
+
+    def take(x, ids):
+        stats["lists_read"] = stats.get("lists_read", 0) + len(x)
+        return reader.take(x, ids)
+
+    try:
+        yield take
+    finally:
+        reader.close()
+    for kind, c in reader.stats.items():
+        acc = stats.setdefault(kind, {"calls": 0, "ids": 0, "rows": 0, "seconds": 0.0})
+        for k, v in dataclasses.asdict(c).items():
+            acc[k] += v
+
+
 def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: Pruning, run: Path | None = None,
             calls: bool = False) -> dict:
     m = load_member(MemberConfig(name=source, source=source, backend="llamacpp"), progress=False)
@@ -78,7 +99,7 @@ def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: P
             own_s += time.perf_counter() - t0
             own_tokens += len(primary_tokens(m.codec, t))
         view_s = view_lp = top_lp = 0.0
-        read = deferrals = reseeds = lists = 0
+        read = deferrals = reseeds = 0
         nbytes = 0
         stats: dict[str, dict] = {}
         for d, t in zip(docs, texts):
@@ -92,23 +113,8 @@ def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: P
                 top_lp += float(np.load(RUN / "bytes" / "dev" / f"{doc_key(d)}.npz")[f"q{index}"].sum())
                 continue
             t0 = time.perf_counter()
-            if calls:  # the member's reader (llama.cpp's tree reader), its counters kept
-                reader = TreeReader(m)
-                try:
-                    def take(x, ids, read=reader.take):
-                        nonlocal lists
-                        lists += len(x)
-                        return read(x, ids)
-                    s = score_bytes(data, tokens, rows.start, take, chain=primary_tokens(m.codec, t), pruning=pruning)
-                finally:
-                    reader.close()
-                for kind, c in reader.stats.items():
-                    acc = stats.setdefault(kind, {"calls": 0, "ids": 0, "rows": 0, "seconds": 0.0})
-                    for k, v in dataclasses.asdict(c).items():
-                        acc[k] += v
-            else:
-                with rows.reader() as take:
-                    s = score_bytes(data, tokens, rows.start, take, chain=primary_tokens(m.codec, t), pruning=pruning)
+            with (counted(m, stats) if calls else rows.reader()) as take:
+                s = score_bytes(data, tokens, rows.start, take, chain=primary_tokens(m.codec, t), pruning=pruning)
             view_s += time.perf_counter() - t0
             view_lp += float(s.logprobs.sum())
             read += s.rows
@@ -123,7 +129,7 @@ def measure(source: str, index: int, docs: list, n_bytes: int | None, pruning: P
                 "bytes": nbytes, "own_tokens": own_tokens, "rows": read, "deferrals": deferrals, "reseeds": reseeds,
                 "view_seconds": round(view_s, 2), "own_seconds": round(own_s, 2), "bpb": round(bpb, 5),
                 "top_bpb": round(top_bpb, 5), "own_bpb": round(-own_lp / math.log(2) / nbytes, 5),
-                **({"calls": {"lists_read": lists, **{k: {**v, "seconds": round(v["seconds"], 2)} for k, v in stats.items()},
+                **({"calls": {"lists_read": stats.pop("lists_read", 0), **{k: {**v, "seconds": round(v["seconds"], 2)} for k, v in stats.items()},
                               "host_seconds": round(view_s - sum(v["seconds"] for v in stats.values()), 2)}}
                    if calls else {})}
     finally:

@@ -95,14 +95,14 @@ def task_table(name: str, tb: TaskBytes, members: Sequence[str], gold_form: str,
            "| row | nats/B | " + " | ".join(KINDS) + " | bytes below best | Δ nats/B vs best [95 %] |",
            "|---" * (len(KINDS) + 4) + "|"]
     for row in tb.rows:
-        kinds = " | ".join(f"{tb.nats(row, k):.3f}" for k in KINDS)
+        kinds = " | ".join(_num(tb.nats(row, k), 3) for k in KINDS)
         if row in members:
             vs = ("—", "—")
         else:
             below = sum(int((lp < b).sum()) for lp, b in zip(tb.rows[row], tb.rows[best]))
             d, lo, hi = paired_bootstrap(tb.per_item(row), tb.per_item(best))
             vs = (f"{100 * below / max(n_bytes, 1):.1f} %", f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}]")
-        out.append(f"| {row} | {tb.nats(row):.4f} | {kinds} | {vs[0]} | {vs[1]} |")
+        out.append(f"| {row} | {_num(tb.nats(row), 4)} | {kinds} | {vs[0]} | {vs[1]} |")
     out.append("")
     shown = next((r for r in ("byte-gate", *BYTE_ROWS) if r in tb.rows), None)
     if top and shown:
@@ -117,6 +117,11 @@ def task_table(name: str, tb: TaskBytes, members: Sequence[str], gold_form: str,
             out.append(f"| {k} | {g[j:j + 1]!r} | {loss:.2f} | `{_cell(ctx)}` |")
         out.append("")
     return out
+
+
+def _num(x: float, digits: int) -> str:
+    """A loss in the table; ``—`` where the items have no byte of that kind."""
+    return "—" if math.isnan(x) else f"{x:.{digits}f}"
 
 
 def _cell(text: str) -> str:
@@ -203,7 +208,8 @@ def answer_bytes(cfg, tasks: Sequence[str], *, limit: int = 50, seed: int | None
         lines += task_table(task.name, tb, [names[i] for i in live], form, top=top)
         dump["tasks"][task.name] = {
             "gold": form, "best_member": tb.best_member([names[i] for i in live]),
-            "nats_per_byte": {r: {"all": tb.nats(r), **{k: tb.nats(r, k) for k in KINDS}} for r in tb.rows},
+            "nats_per_byte": {r: {k: None if math.isnan(x) else x for k, x in
+                                  (("all", tb.nats(r)), *((k, tb.nats(r, k)) for k in KINDS))} for r in tb.rows},
             "items": [{"id": str(it["id"]), "bytes": len(g), **{r: float(tb.rows[r][k].sum()) for r in tb.rows}}
                       for k, (it, g) in enumerate(zip(items, tb.golds))]}
     text = "\n".join(lines)

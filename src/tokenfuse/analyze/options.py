@@ -23,6 +23,7 @@ Usage: tokenfuse analyze options docs/results/bytes-nine [--tasks arc_easy,piqa]
 from __future__ import annotations
 
 import math
+from statistics import fmean
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def row_numbers(records: dict[str, dict]) -> RowNumbers:
 
 def _mean(xs) -> float:
     xs = list(xs)
-    return math.fsum(xs) / len(xs) if xs else math.nan
+    return fmean(xs) if xs else math.nan
 
 
 def best_member(rows: dict[str, RowNumbers]) -> str | None:

@@ -40,6 +40,7 @@ items), which any row that knows nothing reaches.
 from __future__ import annotations
 
 import math
+from statistics import fmean
 from collections.abc import Sequence
 
 from tokenfuse.eval.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, paired_bootstrap
@@ -72,10 +73,6 @@ def item_scores(logprobs: Sequence[float], gold: int) -> tuple[float, float] | N
     return nll, brier
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return math.fsum(xs) / len(xs)
-
-
 def row_scores(records: Sequence[dict]) -> dict | None:
     """Per-item scores of one row on one task: ``{"n", "undefined", "items": {id: (nll, brier)}}``;
     ``None`` when its records hold no option scores."""
@@ -95,7 +92,7 @@ def _summary(s: dict) -> dict:
     if s["undefined"]:
         return {"nll": None, "brier": None, "n": s["n"], "undefined": s["undefined"]}
     vals = list(s["items"].values())
-    return {"nll": _mean([v[0] for v in vals]), "brier": _mean([v[1] for v in vals]), "n": s["n"]}
+    return {"nll": fmean([v[0] for v in vals]), "brier": fmean([v[1] for v in vals]), "n": s["n"]}
 
 
 def _versus(row: dict, member: dict, k: int) -> dict:
@@ -124,7 +121,7 @@ def proper_scores(tasks: dict, all_records: dict[str, dict[str, list[dict]]], fo
         for m, s in scored.items():
             tasks[t][m]["proper"] = _summary(s)
         ks = [len(r["logprobs"]) for r in next(iter(per[m] for m in scored))]
-        uniform[t] = {"nll": _mean([math.log(k) for k in ks]), "brier": _mean([1 - 1 / k for k in ks])}
+        uniform[t] = {"nll": fmean([math.log(k) for k in ks]), "brier": fmean([1 - 1 / k for k in ks])}
         members = [m for m in scored if m.startswith("single:") and not scored[m]["undefined"]]
         best[t] = {}
         for k, name in enumerate(SCORES):
