@@ -131,6 +131,9 @@ def test_errors_name_the_fix(pair, tmp_path):
     with pytest.raises(TokenfuseError, match="analyze answers: arc_easy run in the likelihood form; .*analyze options"):
         answer_bytes(config_from_models("s,q"), ["arc_easy"], data=str(BENCH), members=pair, union=union,
                      progress=False)
+    with pytest.raises(TokenfuseError, match="analyze answers: bbh's items have no gold answer text .*'reasoning'"):
+        answer_bytes(config_from_models("s,q"), ["bbh"], limit=1, data=str(BENCH), members=pair, union=union,
+                     progress=False)
     with pytest.raises(TokenfuseError, match="--limit: expected 1 or more items"):
         answer_bytes(config_from_models("s,q"), ["gsm8k"], limit=0, data=str(BENCH), members=pair, union=union)
     # without a fit for these members the gate rows are left out, said; byte-mix stays

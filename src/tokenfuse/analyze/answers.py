@@ -1,5 +1,6 @@
 """``tokenfuse analyze answers``: which bytes of the gold answers the byte rows give less probability than
-the best member, on the generate-form tasks (GSM8K, BBH, TriviaQA, NQ-open).
+the best member, on the generate-form tasks whose items hold a gold answer text (GSM8K's solutions, TriviaQA's
+and NQ-open's answers; BBH's test items hold only the answer, without the reasoning its prompts ask for).
 
 Accuracy on a generative task says whether an answer came out right, not where the mixture went
 astray. This scores each item's gold answer as generation would produce it: every member's byte model
@@ -17,13 +18,13 @@ view of the first byte pays for the space it expected after ``Answer:``: the ``f
 
 Per task and row, over the items: natural-log loss per gold byte (``nats/B``) and by the byte's kind:
 the first byte, digits, letters (ASCII), white space, other bytes, and the bytes of the item's answer
-(its last occurrence in the gold text: GSM8K's number, BBH's choice, the whole text of an open answer);
+(its last occurrence in the gold text: GSM8K's number, the whole text of an open answer);
 for each byte row against the best member (the member with the lowest ``nats/B`` on these items): the
 share of gold bytes it gives less probability, and its paired per-item difference in ``nats/B`` with a
 bootstrap 95 % interval (``stats.paired_bootstrap``; below zero: the row predicts the gold answers
 better). ``--top`` lists the bytes where ``byte-gate`` (else the first byte row) loses most.
 
-Usage: tokenfuse analyze answers --tasks gsm8k,bbh [--limit 50] [--seed 1234] [--dev] [--out DIR]
+Usage: tokenfuse analyze answers --tasks gsm8k,triviaqa [--limit 50] [--seed 1234] [--dev] [--out DIR]
 """
 
 from __future__ import annotations
@@ -129,10 +130,14 @@ def _cell(text: str) -> str:
 
 
 def gold_of(task, item: dict, chat: bool | str) -> tuple[str, str]:
-    """The gold answer's text as the members would generate it, and which form it is (module docstring)."""
-    if chat:
-        return task.chat_target(item), "the chat form's target"
-    return task.target(item), "the raw form's target"
+    """The gold answer's text as the members would generate it, and which form it is (module docstring);
+    a task whose items lack the text (BBH's test items hold the answer, not the reasoning before it) is
+    refused, named."""
+    try:
+        return (task.chat_target(item), "the chat form's target") if chat else (task.target(item), "the raw form's target")
+    except KeyError as e:
+        raise TokenfuseError(f"analyze answers: {task.name}'s items have no gold answer text to score (no {e} field: "
+                             "only the answer); leave it out of --tasks") from None
 
 
 def gold_rows(rows: dict, prompt, gold: str, *, chat: bool | str = False) -> dict[str, np.ndarray]:

@@ -50,8 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--dev", action="store_true", help="auto's dev items instead of the test items")
     a = sub.add_parser("answers", help="per generative task: which bytes of the gold answers the byte rows give less "
                                        "probability than the best member")
-    a.add_argument("--tasks", default="gsm8k,bbh,triviaqa,nq_open",
-                   help="comma-separated generate-form tasks (default gsm8k,bbh,triviaqa,nq_open)")
+    a.add_argument("--tasks", default="gsm8k,triviaqa,nq_open",
+                   help="comma-separated generate-form tasks with gold answer texts (default gsm8k,triviaqa,nq_open)")
     a.add_argument("--models", help="comma-separated members (default: the three bundled models)")
     a.add_argument("--config", help="ensemble config YAML (its members; a byte method's params.fit and pruning)")
     a.add_argument("--limit", type=int, default=50, help="items per task: the eval's seeded subset (default 50)")
