@@ -9,8 +9,8 @@ starts after the member's own prompt ids (its chat or raw form, as ``tokenfuse e
 method's pruning); the byte rows mix them as in generation (``byte-mix``: the members' weights;
 ``byte-gate``, ``byte-online``: the fit, the shipped text fit for the bundled members; the mixer's state
 starting after the prompt: ``engine.bytescore.mix_byte_logprobs``). Unlike generation, nothing is masked
-(generation renormalises over the bytes that keep the output whole UTF-8: on ASCII answers a small
-difference) and the end is not scored.
+(generation renormalises over the bytes that keep the output whole UTF-8, so each of its probabilities is
+at least the one here: divided by one less the mass on the barred bytes) and the end is not scored.
 
 The gold bytes: the task's chat-form target (``Task.chat_target``, no leading space) when any member
 reads the chat form, else its raw target (``Task.target``). With members in both forms a raw member's
