@@ -181,3 +181,28 @@ def text_data(tmp_path):
             for dom, t in TEXT_DOCS.items():
                 f.write(json.dumps({"id": f"{split}-{dom}", "domain": dom, "source": "s", "text": t + split}) + "\n")
     return tmp_path / "data"
+
+
+@pytest.fixture
+def byte_fit(tmp_path):
+    """A writer of text-bytes fit files: ``byte_fit(names, weights=None, seed=0)`` writes ``fit.json`` for
+    members ``names`` (``byte-mix`` at ``weights``, by default 0.9 on the first and the rest shared;
+    ``byte-gate`` and ``byte-online`` with seeded gate numbers large enough to move the weights) and
+    returns its path."""
+    import json
+
+    import numpy as np
+
+    from tokenfuse.combiners.mixers import RATES
+
+    def write(names, weights=None, seed: int = 0) -> str:
+        m = len(names)
+        gate = np.random.default_rng(seed).normal(0, 0.5, size=m + m * m * len(RATES)).tolist()
+        mix = list(weights) if weights is not None else [0.9] + [0.1 / (m - 1)] * (m - 1)
+        path = tmp_path / "fit.json"
+        path.write_text(json.dumps({"task": "text-bytes", "members": list(names),
+                                    "fitted": {"byte-gate": {"gate": gate}, "byte-mix": {"weights": mix},
+                                               "byte-online": {"gate": gate, "rate": 0.3}}}))
+        return str(path)
+
+    return write

@@ -11,22 +11,11 @@ import numpy as np
 import pytest
 
 from tokenfuse.analyze.answers import TaskBytes, answer_bytes, byte_kinds, gold_rows, task_table
-from tokenfuse.combiners.mixers import RATES
 from tokenfuse.config import config_from_models
 from tokenfuse.engine import Ensemble
 from tokenfuse.errors import TokenfuseError
 
 BENCH = Path(__file__).parent / "data" / "bench"
-
-
-def _fit(tmp_path, names) -> str:
-    m = len(names)
-    gate = np.random.default_rng(0).normal(0, 0.5, size=m + m * m * len(RATES))
-    path = tmp_path / "fit.json"
-    path.write_text(json.dumps({"task": "text-bytes", "members": names,
-                                "fitted": {"byte-mix": {"weights": [0.7, 0.3]}, "byte-gate": {"gate": gate.tolist()},
-                                           "byte-online": {"gate": gate.tolist(), "rate": 0.3}}}))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +53,12 @@ def test_the_table_on_hand_made_numbers():
     assert lines[-3].startswith("| 0 | b'a' | 0.22 |") and "`[a]b`" in lines[-3]  # ln(0.5 / 0.4)
 
 
-def test_gold_bytes_after_an_empty_prompt_are_what_scoring_gives(pair, align_cache, tmp_path):
+def test_gold_bytes_after_an_empty_prompt_are_what_scoring_gives(pair, align_cache, tmp_path, byte_fit):
     """After an empty prompt each member's byte model starts at its start ids and each mixer is new, as
     ``Ensemble.score_prompt`` scores a text (whose numbers generation uses, tests/test_bytegen.py): the same
     log-probability for every byte, for each mixer."""
     text = "Tom has 3 + 4 = 7 apples."
-    fit = _fit(tmp_path, ["s", "q"])
+    fit = byte_fit(["s", "q"], weights=[0.7, 0.3])
     rows = {name: Ensemble(pair, method="byte", params={"mix": mix, "fit": fit, "rule": "top", "keep": 0.05},
                            align_cache=align_cache)
             for name, mix in (("byte-mix", "mixture"), ("byte-gate", "gate"), ("byte-online", "online"))}
@@ -101,12 +90,12 @@ def test_gold_bytes_after_a_prompt_are_what_generation_reads(pair, align_cache, 
     assert not np.allclose(other["s"], got["s"])  # the prompt's ids are where the models start
 
 
-def test_answers_on_a_generative_task(pair, tmp_path):
+def test_answers_on_a_generative_task(pair, tmp_path, byte_fit):
     """Three GSM8K items: every member and byte row over the gold solutions' bytes (the chat form: both
     tiny members' tokenizers have chat templates), the pooled numbers in answers.json those of its items."""
     from tokenfuse import Ensemble as Ens
 
-    cfg = config_from_models("s,q", method="byte", params={"fit": _fit(tmp_path, ["s", "q"])})
+    cfg = config_from_models("s,q", method="byte", params={"fit": byte_fit(["s", "q"], weights=[0.7, 0.3])})
     text = answer_bytes(cfg, ["gsm8k"], limit=3, data=str(BENCH), top=3, out=tmp_path / "out", progress=False,
                         members=pair, union=Ens(pair).union)
     assert text.startswith("### gsm8k: 3 items, ") and "(the chat form's target)" in text.splitlines()[0]

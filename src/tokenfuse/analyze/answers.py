@@ -150,13 +150,18 @@ def gold_rows(rows: dict, prompt, gold: str, *, chat: bool | str = False) -> dic
 
     first = next(iter(rows.values()))
     members, pruning = first.members, first.combiner.params.pruning
-    live = [i for i, w in enumerate(first.weights) if w > 0]
+    live = _live(first)
     lps = [member_byte_logprobs(members[i], first.decider.table(i), pruning, "", [gold],
                                 start=prompt_ids(members[i], prompt, chat=chat))[0] for i in live]
     got = {members[i].name: lp for i, lp in zip(live, lps)}
     for name, ens in rows.items():
         got[name] = mix_byte_logprobs(ens.combiner, ens.weights, lps)
     return got
+
+
+def _live(ens) -> list[int]:
+    """The members of ``ens`` that score (a positive weight), by index."""
+    return [i for i, w in enumerate(ens.weights) if w > 0]
 
 
 def answer_bytes(cfg, tasks: Sequence[str], *, limit: int = 50, seed: int | None = None, dev: bool = False,
@@ -197,7 +202,7 @@ def answer_bytes(cfg, tasks: Sequence[str], *, limit: int = 50, seed: int | None
                              (f": {'; '.join(lines)}" if lines else " (the byte method is not registered)"))
     lines += [""] if lines else []
     any_row = next(iter(rows.values()))
-    live = [i for i, w in enumerate(any_row.weights) if w > 0]
+    live = _live(any_row)
     chat = prompt_form(base.members)
     seed = DEFAULT_SEED if seed is None else seed
     dump = {"members": names, "limit": limit, "seed": seed, "dev": dev, "tasks": {}}

@@ -61,7 +61,7 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
         lps = pool.run(live, run)
         n_ctx = len(ctx.encode("utf-8"))
         for j, (k, cont) in enumerate(zip(ks, conts)):
-            mixed = mix_byte_logprobs(combiner, weights, [lps[i][j] for i in live])[n_ctx:]
+            mixed = _mix(_mixer(weights, combiner, live), [lps[i][j] for i in live])[n_ctx:]
             data = cont.encode("utf-8")
             out[k] = Likelihood(float(mixed.sum()), len(data), len(data), ensembled=len(data) if len(live) > 1 else 0,
                                 piece_logprobs=tuple(float(x) for x in mixed),
@@ -117,7 +117,12 @@ def mix_byte_logprobs(combiner, weights: Sequence[float], lps: Sequence[np.ndarr
     live = _live(weights, combiner)
     if len(lps) != len(live):
         raise ValueError(f"mix_byte_logprobs: {len(lps)} members' numbers for {len(live)} members with a weight")
-    return _mixer(weights, combiner, live).logprobs(np.exp(np.stack(lps, axis=1)))
+    return _mix(_mixer(weights, combiner, live), lps)
+
+
+def _mix(mixer: Mixer, lps: Sequence[np.ndarray]) -> np.ndarray:
+    """``mixer``'s log-probability of each byte of one text from the members' (``lps``, in its order)."""
+    return mixer.logprobs(np.exp(np.stack(lps, axis=1)))
 
 
 def _mixer(weights: Sequence[float], combiner, live: list[int]) -> Mixer:
