@@ -40,7 +40,9 @@ def test_a_state_reader_gives_whole_rows_and_entries_of_fresh_states(make_tiny, 
         for want, x, row in zip(_fresh(m, start, lists), ids, rows):
             expect = want if x is None else want[np.asarray(x)]
             assert row.dtype == np.float64 and row.shape == expect.shape
-            np.testing.assert_allclose(row, expect, rtol=0, atol=1e-5)
+            # float32 rounding of a cache against a prefill: a few units in the last place of the value
+            # (which kernels the CPU runs sets how many; 6 ulps at -20.45 seen on AVX-512, 1.1e-5)
+            np.testing.assert_allclose(row, expect, rtol=4 * np.finfo(np.float32).eps, atol=1e-5)
 
 
 def test_the_llamacpp_reader_is_the_tree_with_shared_calls_and_states_without(llamacpp_members):
