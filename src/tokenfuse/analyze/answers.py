@@ -145,23 +145,18 @@ def gold_rows(rows: dict, prompt, gold: str, *, chat: bool | str = False) -> dic
     positive weight (by name) and each byte row of ``rows`` (name: its ``Ensemble``, the ``byte`` method;
     every row on the same members, weights and pruning): as generation starts, each member's byte model
     after its own ids of ``prompt`` (``chat`` as ``Ensemble.generate``'s), each row's mixer new after it."""
-    from tokenfuse.engine.bytescore import member_byte_logprobs, mix_byte_logprobs
+    from tokenfuse.engine.bytescore import live_members, member_byte_logprobs, mix_byte_logprobs
     from tokenfuse.engine.prompt import prompt_ids
 
     first = next(iter(rows.values()))
     members, pruning = first.members, first.combiner.params.pruning
-    live = _live(first)
+    live = live_members(first.weights, first.combiner)
     lps = [member_byte_logprobs(members[i], first.decider.table(i), pruning, "", [gold],
                                 start=prompt_ids(members[i], prompt, chat=chat))[0] for i in live]
     got = {members[i].name: lp for i, lp in zip(live, lps)}
     for name, ens in rows.items():
         got[name] = mix_byte_logprobs(ens.combiner, ens.weights, lps)
     return got
-
-
-def _live(ens) -> list[int]:
-    """The members of ``ens`` that score (a positive weight), by index."""
-    return [i for i, w in enumerate(ens.weights) if w > 0]
 
 
 def answer_bytes(cfg, tasks: Sequence[str], *, limit: int = 50, seed: int | None = None, dev: bool = False,
@@ -174,6 +169,7 @@ def answer_bytes(cfg, tasks: Sequence[str], *, limit: int = 50, seed: int | None
     row that cannot be built for these members (``byte-gate`` without a fit for them) is left out, said
     in the output."""
     from tokenfuse.combiners import REGISTRY
+    from tokenfuse.engine.bytescore import live_members
     from tokenfuse.eval.batches import build_variant
     from tokenfuse.eval.methods import plan_methods
     from tokenfuse.load import ensemble_from_members, load_ensemble
@@ -202,7 +198,7 @@ def answer_bytes(cfg, tasks: Sequence[str], *, limit: int = 50, seed: int | None
                              (f": {'; '.join(lines)}" if lines else " (the byte method is not registered)"))
     lines += [""] if lines else []
     any_row = next(iter(rows.values()))
-    live = _live(any_row)
+    live = live_members(any_row.weights, any_row.combiner)
     chat = prompt_form(base.members)
     seed = DEFAULT_SEED if seed is None else seed
     dump = {"members": names, "limit": limit, "seed": seed, "dev": dev, "tasks": {}}

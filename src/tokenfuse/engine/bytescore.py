@@ -42,7 +42,7 @@ def byte_loglikelihood(members: Sequence[Member], combiner, tables: Callable[[in
     ``byte`` method's (``params``, ``new_mixer``), ``tables(i)``: member ``i``'s tokens by bytes,
     ``weights``: the ensemble's weights of ``members``; ``memo``: shares each member's byte models of a
     context's continuations with other scorings under the same pruning (other mixers' rows)."""
-    live = _live(weights, combiner)
+    live = live_members(weights, combiner)
     texts = [(_context(ctx, chat), cont) for ctx, cont in requests]
     groups: dict[str, list[int]] = {}
     for k, (ctx, _) in enumerate(texts):
@@ -75,7 +75,7 @@ def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int
     first given nothing: each member's byte model from its start ids), and with ``top`` the mixture's
     257-way distribution there (each member's whole next distribution read for it); ``weights``: the
     ensemble's weights of ``members``."""
-    live = _live(weights, combiner)
+    live = live_members(weights, combiner)
     data = prompt.encode("utf-8")
 
     def run(i: int) -> tuple[list[float], list[np.ndarray]]:
@@ -102,7 +102,7 @@ def byte_score_prompt(members: Sequence[Member], combiner, tables: Callable[[int
     return out
 
 
-def _live(weights: Sequence[float], combiner) -> list[int]:
+def live_members(weights: Sequence[float], combiner) -> list[int]:
     """The members that score (a positive weight); ``product`` refused (it cannot score this way)."""
     if combiner.params.mix == "product":
         raise ConfigError("params.mix: product scores no bytes (its normaliser needs every member's whole next "
@@ -114,7 +114,7 @@ def mix_byte_logprobs(combiner, weights: Sequence[float], lps: Sequence[np.ndarr
     """The mixture's natural-log probability of each byte of one text, from the log-probabilities ``lps``
     of its bytes under each member with a positive weight (in member order), the mixer reading every
     byte from the first (a new mixer: ``gate``'s features at zero, ``switch`` at its prior)."""
-    live = _live(weights, combiner)
+    live = live_members(weights, combiner)
     if len(lps) != len(live):
         raise ValueError(f"mix_byte_logprobs: {len(lps)} members' numbers for {len(live)} members with a weight")
     return _mix(_mixer(weights, combiner, live), lps)
