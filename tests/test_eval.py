@@ -385,6 +385,25 @@ def test_byte_rows_are_fit_on_the_tasks_dev_items(tiny_pair, data_dir, tmp_path)
     assert sum("fitting the byte rows" in m for m in logs) == 2 and again["fitted"]["byte-gate"] == fit["fitted"]["byte-gate"]
 
 
+def test_the_byte_fit_shows_its_progress_over_the_members_byte_models(tiny_pair, data_dir, tmp_path, capsys):
+    """The fit's byte models (one per member and dev item) show their progress (off a terminal: one line when
+    done); ``progress=False`` (``--quiet``) shows nothing."""
+    from tokenfuse import Ensemble
+    from tokenfuse.eval.bytefit import task_fit
+    from tokenfuse.tasks import ARCEasy
+
+    members, _ = tiny_pair
+    dev = [{"id": f"d-{i}", "question": q, "choices": ch, "answer": "A", "task": "ARC-Easy"}
+           for i, (q, ch) in enumerate([("Which is cold?", ["ice", "fire"]), ("Which is hot?", ["sun", "snow"])])]
+    (data_dir / "arc" / "easy_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dev), encoding="utf-8")
+    task = ARCEasy(str(data_dir))
+    assert task_fit(Ensemble(members), task, tmp_path / "a", 1234, lambda m: None, progress=False) is not None
+    assert capsys.readouterr().err == ""
+    assert task_fit(Ensemble(members), task, tmp_path / "b", 1234, lambda m: None) is not None
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dev arc_easy byte fit: 4/4 byte models in ")
+
+
 def test_byte_rows_generate_four_bytes_for_each_token_of_the_limit(tiny_pair, data_dir, tmp_path):
     """In the generate form a task's limit is in tokens: the byte rows get ``steps_per_token`` (4) bytes for each."""
     members, union = tiny_pair

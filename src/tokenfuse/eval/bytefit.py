@@ -22,14 +22,17 @@ from tokenfuse.alignment.bytetree import TokenBytes
 from tokenfuse.combiners.bytemix import ByteParams
 from tokenfuse.combiners.mixers import best_rate, em_weights, fit_gate
 from tokenfuse.engine.bytescore import member_byte_logprobs
+from tokenfuse.progress import progress_bar
 from tokenfuse.tasks.base import seeded_order
 
 FIT_ITEMS = 50
 ROWS = ("byte-mix", "byte-gate", "byte-online")  # the rows a task's fit holds
 
 
-def task_fit(base, task, out: Path, seed: int, log: Callable[[str], None], items: int = FIT_ITEMS) -> Path | None:
-    """The task's fit file (made once; the module docstring), ``None`` where the task has no dev items."""
+def task_fit(base, task, out: Path, seed: int, log: Callable[[str], None], items: int = FIT_ITEMS,
+             progress: bool = True) -> Path | None:
+    """The task's fit file (made once; the module docstring), ``None`` where the task has no dev items;
+    ``progress``: a progress display over the members' byte models (``tokenfuse.progress``)."""
     path = out / "fits" / f"{task.name}.json"
     names = [m.name for m in base.members]
     if path.is_file():
@@ -44,8 +47,13 @@ def task_fit(base, task, out: Path, seed: int, log: Callable[[str], None], items
     pruning = ByteParams().pruning
     live = [m for m, w in zip(base.members, base.weights) if w > 0]
     tables = {m.name: TokenBytes(m.codec.token_bytes) for m in live}
-    lps = {m.name: [member_byte_logprobs(m, tables[m.name], pruning, c.context, [c.continuations[c.gold]])[0]
-                    for c in clozes] for m in live}
+    with progress_bar(total=len(live) * len(clozes), desc=f"dev {task.name} byte fit", unit="byte model",
+                      enabled=progress) as bar:
+        def byte_model(m, c):
+            lp = member_byte_logprobs(m, tables[m.name], pruning, c.context, [c.continuations[c.gold]])[0]
+            bar.update(1)
+            return lp
+        lps = {m.name: [byte_model(m, c) for c in clozes] for m in live}
     texts = [np.exp(np.stack([lps[m.name][k] for m in live], axis=1)) for k in range(len(clozes))]
     starts = [len(c.context.encode("utf-8")) for c in clozes]
     with np.errstate(divide="ignore"):

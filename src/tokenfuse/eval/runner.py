@@ -130,7 +130,7 @@ def _byte_fits(specs: list[MethodSpec], base, task, form: str, settings: EvalSet
     rows = {s.name for s in specs if s.name in BYTE_ROWS and "fit" not in s.overrides.get("params", {})}
     if not rows or form != "likelihood":
         return specs
-    path = task_fit(base, task, Path(settings.out), settings.seed, log)
+    path = task_fit(base, task, Path(settings.out), settings.seed, log, progress=settings.progress)
     if path is None:
         return specs
     return [replace(s, overrides=s.overrides | {"params": s.overrides["params"] | {"fit": str(path)}})
