@@ -134,7 +134,9 @@ def gold_of(task, item: dict, chat: bool | str) -> tuple[str, str]:
     a task whose items lack the text (BBH's test items hold the answer, not the reasoning before it) is
     refused, named."""
     try:
-        return (task.chat_target(item), "the chat form's target") if chat else (task.target(item), "the raw form's target")
+        if chat:
+            return task.chat_target(item), "the chat form's target"
+        return task.target(item), "the raw form's target"
     except KeyError as e:
         raise TokenfuseError(f"analyze answers: {task.name}'s items have no gold answer text to score (no {e} field: "
                              "only the answer); leave it out of --tasks") from None
